@@ -1,0 +1,36 @@
+# reasoner: `make train` and `make test` set themselves up (a .venv stamped on pyproject.toml).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/embedded.yaml
+ARGS   ?=
+BENCH  ?=
+
+.PHONY: setup train eval sample test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m reasoner train --config $(CONFIG) $(ARGS)
+
+eval: $(STAMP)
+	$(PY) -m reasoner eval --config $(CONFIG) $(ARGS)
+
+sample: $(STAMP)
+	$(PY) -m reasoner sample --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH)
+
+clean:
+	rm -rf $(VENV) runs bench/results

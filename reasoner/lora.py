@@ -1,0 +1,38 @@
+"""LoRA applied in place with qwix: the base weights stay as they are and are never copied.
+
+The KL reference is the same model with the LoRA weights zeroed ((x A) B = 0 exactly), so
+the reference policy is the base weights themselves, not a second model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+from jax.sharding import Mesh
+
+from reasoner.config import LoraConfig
+
+
+def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx.Module:
+  """Adds LoRA A/B (nnx.LoRAParam) to every matching projection; B starts at zero."""
+  provider = qwix.LoraProvider(module_path=cfg.module_path, rank=cfg.rank, alpha=cfg.alpha)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  with jax.set_mesh(mesh):
+    lora_model = qwix.apply_lora_to_model(
+        model, provider, tokens, tokens, None, jnp.ones((1, 1, 1), bool),
+        methods=("hidden_states",), rngs=nnx.Rngs(seed))
+  n = len(jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
+  if n == 0:
+    raise ValueError(f"lora.module_path {cfg.module_path!r} matched no projection of the model")
+  return lora_model
+
+
+def split(model: nnx.Module):
+  """(graphdef, lora_state, base_state): what trains and what stays frozen."""
+  return nnx.split(model, nnx.LoRAParam, ...)
+
+
+def zeros_like(lora_state):
+  return jax.tree.map(jnp.zeros_like, lora_state)

@@ -1,0 +1,79 @@
+"""The one place that knows the device mesh and how arrays map onto it.
+
+Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel). Model code only
+names these axes through Tunix's ShardingConfig, built here; batches shard over 'fsdp'.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from reasoner.config import ConfigError, MeshConfig
+
+AXES = ("fsdp", "tp")
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int]:
+  """Resolves -1 and checks that fsdp * tp equals the device count."""
+  fsdp, tp = cfg.fsdp, cfg.tp
+  if fsdp == -1:
+    if n_devices % tp:
+      raise ConfigError(f"config key 'mesh.tp' = {tp}: expected a divisor of the "
+                        f"{n_devices} devices")
+    fsdp = n_devices // tp
+  elif tp == -1:
+    if n_devices % fsdp:
+      raise ConfigError(f"config key 'mesh.fsdp' = {fsdp}: expected a divisor of the "
+                        f"{n_devices} devices")
+    tp = n_devices // fsdp
+  if fsdp * tp != n_devices:
+    raise ConfigError(f"config key 'mesh' = fsdp {fsdp} x tp {tp}: expected a product equal to "
+                      f"the {n_devices} devices")
+  return fsdp, tp
+
+
+def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(cfg, len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Leading (batch) axis over 'fsdp', the rest replicated."""
+  return NamedSharding(mesh, P("fsdp", *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
+  """Places a host batch (the same on every process) with its rows split over 'fsdp'.
+
+  A batch with fewer rows than 'fsdp' divides (a few prompts shared by their G completions)
+  is replicated instead; it is built from each host's copy, never device_put.
+  """
+  split = host.shape[0] % mesh.shape["fsdp"] == 0
+  sharding = batch_sharding(mesh, host.ndim) if split else replicated(mesh)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def array_from_host(shape: tuple[int, ...], sharding: NamedSharding,
+                    read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+  """Builds a global array shard by shard: `read(index)` returns only that shard's block.
+
+  Never `device_put` of a whole host array onto a replicated sharding (on several hosts that
+  runs an equality check that allgathers the tensor); each device gets just its slice.
+  """
+  return jax.make_array_from_callback(shape, sharding, read)
+
+
+def shard_fraction(arr: jax.Array) -> float:
+  """Fraction of the array's elements held by one addressable shard (1/N when fully split)."""
+  shard = arr.addressable_shards[0].data
+  return math.prod(shard.shape) / max(1, math.prod(arr.shape))

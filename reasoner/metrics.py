@@ -1,0 +1,93 @@
+"""Run outputs: console progress, metrics.jsonl, TensorBoard, samples and reward.png.
+
+Only process 0 writes; other processes get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class MetricsWriter:
+  def __init__(self, run_path: pathlib.Path, enabled: bool | None = None):
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self.path = pathlib.Path(run_path)
+    self._tb = None
+    if self.enabled:
+      self.path.mkdir(parents=True, exist_ok=True)
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(str(self.path / "tb"))
+
+  def log(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
+    with open(self.path / "metrics.jsonl", "a") as f:
+      f.write(json.dumps(row) + "\n")
+    for k, v in row.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(k, v, step)
+    self._tb.flush()
+
+  def samples(self, step: int, tag: str, rows: list[dict]) -> None:
+    if not self.enabled:
+      return
+    with open(self.path / "samples.jsonl", "a") as f:
+      for r in rows:
+        f.write(json.dumps({"step": step, "tag": tag, **r}) + "\n")
+
+  def write_json(self, name: str, data: dict) -> None:
+    if self.enabled:
+      (self.path / name).write_text(json.dumps(data, indent=2) + "\n")
+
+  def plot(self) -> pathlib.Path | None:
+    """reward.png: training reward per step, with held-out evaluations marked."""
+    if not self.enabled or not (self.path / "metrics.jsonl").exists():
+      return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in (self.path / "metrics.jsonl").read_text().splitlines() if l]
+    train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    evals = [(r["step"], r["eval/mean_reward"]) for r in rows if "eval/mean_reward" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+      s, v = zip(*train)
+      ax.plot(s, v, ".", alpha=0.4, label="rollout reward")
+      if len(v) >= 5:
+        k = 5
+        ax.plot(s[k - 1:], np.convolve(v, np.ones(k) / k, mode="valid"), label="5-step mean")
+    if evals:
+      s, v = zip(*evals)
+      ax.plot(s, v, "o-", label="held-out mean reward (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (0-1)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = self.path / "reward.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _py(v: Any) -> Any:
+  if isinstance(v, (np.ndarray, jax.Array)):
+    v = np.asarray(v)
+    return v.item() if v.size == 1 else v.tolist()
+  if isinstance(v, (np.floating, np.integer)):
+    return v.item()
+  return v

@@ -1,0 +1,176 @@
+"""Tunix's Gemma modules, with a forward that stops at the final hidden states, born sharded.
+
+The trainer and the sampler never call the model's ``__call__`` (which builds ``[B, T, V]``
+logits); they call ``hidden_states`` and project only the positions they need through the tied
+embedding (``reasoner.heads``). qwix's LoRA intercepts ``hidden_states``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from reasoner import mesh as mesh_lib
+from reasoner.config import ConfigError, ModelConfig
+
+Cache = dict[str, dict[str, jax.Array]]
+
+
+class _HiddenStates:
+  """Mixin: the decoder stack of Tunix's Gemma without the vocabulary projection."""
+
+  def hidden_states(
+      self,
+      tokens: jax.Array,  # [B, T] int32
+      positions: jax.Array,  # [B, T] int32
+      cache: Cache | None,  # per layer {'k','v': [B, S, K, H], 'end_index': [B]}
+      attention_mask: jax.Array,  # [B, T, S] bool (S = T without a cache)
+  ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
+    x = self.embedder.encode(tokens)
+    new_cache = None if cache is None else {}
+    for i, layer in enumerate(self.layers):
+      name = f"layer_{i}"
+      layer_cache, x = layer(x, positions, cache[name] if cache else None, attention_mask)
+      if cache is not None:
+        new_cache[name] = layer_cache
+    return self.final_norm(x), new_cache
+
+  @property
+  def logit_softcap(self) -> float | None:
+    return getattr(self, "final_logits_softcap", None)
+
+  def embedding(self) -> jax.Array:  # [V, D], tied input embedding and output head
+    return self.embedder.input_embedding.value
+
+
+def _model_classes():
+  from tunix.models.gemma import model as gemma_lib
+  from tunix.models.gemma3 import model as gemma3_lib
+
+  class Gemma3(_HiddenStates, gemma3_lib.Gemma3):
+    pass
+
+  class Gemma2(_HiddenStates, gemma_lib.Gemma):
+    pass
+
+  return gemma3_lib, gemma_lib, Gemma3, Gemma2
+
+
+_CLASSES: tuple | None = None
+
+
+def classes():
+  global _CLASSES
+  if _CLASSES is None:
+    _CLASSES = _model_classes()
+  return _CLASSES
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """What to build: the Tunix config and the module class."""
+
+  family: str  # gemma3 | gemma2
+  tunix_config: Any
+  cls: type
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.tunix_config.num_kv_heads
+
+  @property
+  def num_layers(self) -> int:
+    return self.tunix_config.num_layers
+
+  @property
+  def head_dim(self) -> int:
+    return self.tunix_config.head_dim
+
+
+def model_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
+  """Maps `model.name` onto Tunix's config, with our dtype, remat and sharding rules."""
+  gemma3_lib, gemma_lib, Gemma3, Gemma2 = classes()
+  dtype = jnp.dtype(cfg.dtype)
+  if cfg.name.startswith("gemma2"):
+    presets = {"gemma2-2b": gemma_lib.ModelConfig.gemma2_2b}
+    lib, cls, family = gemma_lib, Gemma2, "gemma2"
+  else:
+    presets = {
+        "gemma3-270m": gemma3_lib.ModelConfig.gemma3_270m,
+        "gemma3-1b": gemma3_lib.ModelConfig.gemma3_1b_it,
+        "gemma3-4b": gemma3_lib.ModelConfig.gemma3_4b_it,
+        "tiny": None,
+    }
+    lib, cls, family = gemma3_lib, Gemma3, "gemma3"
+  if cfg.name not in presets:
+    raise ConfigError(f"config key 'model.name' = {cfg.name!r}: expected one of "
+                      "gemma3-270m, gemma3-1b, gemma3-4b, gemma2-2b, tiny")
+  if cfg.name == "tiny":
+    tcfg = gemma3_lib.ModelConfig(
+        num_layers=cfg.tiny_layers, num_embed=vocab_size or cfg.tiny_vocab,
+        embed_dim=cfg.tiny_embed_dim, hidden_dim=cfg.tiny_hidden_dim, num_heads=cfg.tiny_heads,
+        head_dim=cfg.tiny_head_dim, num_kv_heads=1, sliding_window_size=16,
+        global_base_frequency=1_000_000)
+  else:
+    tcfg = presets[cfg.name]()
+  changes = {"remat_config": getattr(lib.RematConfig, cfg.remat.upper()),
+             "shd_config": lib.ShardingConfig.get_default_sharding()}
+  if hasattr(tcfg, "param_dtype"):  # Tunix's Gemma2 config has no dtype field (always bf16)
+    changes["param_dtype"] = dtype
+  tcfg = dataclasses.replace(tcfg, **changes)
+  return ModelSpec(family=family, tunix_config=tcfg, cls=cls)
+
+
+def abstract_model(spec: ModelSpec, mesh: Mesh):
+  """(graphdef, abstract state with NamedShardings): shapes only, nothing allocated."""
+  with jax.set_mesh(mesh):
+    abs_model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abs_model)
+  shardings = nnx.get_named_sharding(abs_state, mesh)
+  return graphdef, abs_state, shardings
+
+
+def init_random(spec: ModelSpec, mesh: Mesh, seed: int):
+  """Random init compiled with output shardings: every parameter is born in its shards."""
+  graphdef, _, shardings = abstract_model(spec, mesh)
+
+  def create():
+    return nnx.state(spec.cls(spec.tunix_config, rngs=nnx.Rngs(seed)))
+
+  with jax.set_mesh(mesh):
+    state = jax.jit(create, out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def from_host(spec: ModelSpec, mesh: Mesh,
+              read: Callable[[str, tuple[int, ...]], np.ndarray]):
+  """Builds the model parameter by parameter from host arrays.
+
+  `read(path, shape)` returns one parameter as a host array ('layers.3.attn.q_einsum.w'); it is
+  cut into shards with `make_array_from_callback`, so each device receives only its block and
+  the host holds one parameter at a time.
+  """
+  graphdef, abs_state, shardings = abstract_model(spec, mesh)
+  flat_abs = dict(nnx.to_flat_state(abs_state))
+  flat_shd = dict(nnx.to_flat_state(shardings))
+  leaves = []
+  for path, var in flat_abs.items():
+    name = ".".join(str(p) for p in path)
+    shape, dtype = tuple(var.value.shape), var.value.dtype
+    host = np.asarray(read(name, shape))
+    if host.shape != shape:
+      raise ValueError(f"parameter {name}: expected shape {shape}, the checkpoint has "
+                       f"{host.shape}")
+    host = host.astype(dtype)
+    sharding: NamedSharding = flat_shd[path].value
+    arr = mesh_lib.array_from_host(shape, sharding, lambda idx, h=host: h[idx])
+    leaves.append((path, var.replace(arr)))
+    del host
+  state = nnx.from_flat_state(leaves)
+  return nnx.merge(graphdef, state)

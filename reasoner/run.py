@@ -1,0 +1,209 @@
+"""The GRPO loop, evaluation and sampling: what `python -m reasoner train|eval|sample` runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib
+from reasoner.build import Setup, build
+from reasoner.checkpoint import Checkpointer
+from reasoner.config import Config
+from reasoner.data import prompts as prompts_lib
+from reasoner.data import sources
+from reasoner.metrics import MetricsWriter
+from reasoner.sampler import Sampler, SamplingConfig
+from reasoner.trainer import Batch, Trainer, build_batch
+
+log = logging.getLogger("reasoner")
+
+
+def sampling_config(cfg: Config, tokenizer, greedy: bool) -> SamplingConfig:
+  stops = tuple(i for i in (tokenizer.eos_id, tokenizer.end_of_turn_id) if i is not None)
+  r = cfg.rollout
+  return SamplingConfig(
+      max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
+      temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
+      top_p=None if greedy else r.top_p, stop_ids=stops,
+      stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id)
+
+
+def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple[dict, list]:
+  """Greedy decoding on held-out records: mean reward, accuracy and format rate."""
+  cfg = setup.cfg
+  scfg = sampling_config(cfg, setup.tokenizer, greedy=True)
+  totals, correct, fmt, rows = [], [], [], []
+  for i in range(0, len(records), cfg.eval.batch_size):
+    chunk = records[i:i + cfg.eval.batch_size]
+    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
+    comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
+    answers = [r["answer"] for r in chunk]
+    total, _ = setup.rewards(prompts, comps.texts, answer=answers)
+    totals += total.tolist()
+    correct += rewards_lib.correct(prompts, comps.texts, answer=answers)
+    fmt += rewards_lib.format_exact(prompts, comps.texts)
+    rows += [{"question": r["question"], "answer": r["answer"], "completion": t,
+              "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
+  result = {"mean_reward": float(np.mean(totals)), "accuracy": float(np.mean(correct)),
+            "format_rate": float(np.mean(fmt)), "n": len(records)}
+  return result, rows
+
+
+def _print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
+  tqdm.write(f"[{tag}] held-out ({result['n']}): mean reward {result['mean_reward']:.3f}  "
+             f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}")
+  for r in rows[:n_samples]:
+    tqdm.write(f"  Q: {r['question']}\n  A: {r['completion']!r}  (reward {r['reward']:.2f}, "
+               f"reference {r['answer']})")
+
+
+def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: list[dict],
+            key: jax.Array) -> tuple[Batch, dict]:
+  """Samples G completions per prompt, scores them and builds the training batch."""
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in records]
+  t0 = time.perf_counter()
+  comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key,
+                                        sampling_config(cfg, setup.tokenizer, greedy=False), g)
+  t_sample = time.perf_counter() - t0
+  rep = lambda xs: [x for x in xs for _ in range(g)]
+  answers = rep([r["answer"] for r in records])
+  total, per_fn = setup.rewards(rep(prompts), comps.texts, answer=answers)
+  adv = np.asarray(grpo.group_advantages(jnp.asarray(total), g, cfg.grpo.scale_rewards))
+  host = build_batch(p_tok, p_mask, comps, adv)
+  batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
+  fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
+                                      batch["completion"], batch["completion_mask"])
+  if cfg.grpo.num_iterations > 1:  # pi_old from the trainer's own forward
+    batch["old_logp"] = fwd(lora)
+  batch["ref_logp"] = (fwd(lora_lib.zeros_like(lora)) if cfg.grpo.beta > 0
+                       else jnp.zeros_like(batch["old_logp"]))
+  correct = rewards_lib.correct(prompts, comps.texts, answer=answers)
+  metrics = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
+             **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+             "accuracy": float(np.mean(correct)),
+             "format_rate": float(np.mean(rewards_lib.format_exact(prompts, comps.texts))),
+             "completion_length": float(comps.mask.sum(1).mean()),
+             "rollout_tokens_per_s": float(comps.mask.sum() / t_sample),
+             "rollout_s": t_sample}
+  return Batch(**batch), metrics
+
+
+def _checkpoint_tree(state) -> dict:
+  return {"step": state.step, "lora": state.lora, "opt_state": state.opt_state, "key": state.key}
+
+
+def train(cfg: Config) -> dict:
+  """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results."""
+  setup = build(cfg)
+  run = cfg.run_path
+  writer = MetricsWriter(run)
+  writer.write_json("config.json", cfg.to_dict())
+  trainer = Trainer(setup.graphdef, setup.base, cfg)
+  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  ckpt = Checkpointer(run / "checkpoints", cfg.train.keep_checkpoints)
+  state = trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed))
+  data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed,
+                                jax.process_index(), jax.process_count())
+  start = ckpt.latest_step() or 0
+  if start:
+    tree, data_state = ckpt.restore(start, _checkpoint_tree(state))
+    state = state.replace(**tree)
+    data.set_state(data_state)
+    tqdm.write(f"resumed from {ckpt.directory}/{start} (step {start} of {cfg.train.steps})")
+
+  results = _read_eval(run)
+  if cfg.train.eval_before and "before" not in results:
+    results["before"], rows = evaluate(setup, sampler, state.lora, setup.eval_records)
+    _print_eval("before", results["before"], rows, cfg.train.num_log_samples)
+    writer.samples(0, "eval-before", rows)
+    writer.log(0, {f"eval/{k}": v for k, v in results["before"].items()})
+    writer.write_json("eval.json", results)
+
+  bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
+             desc="GRPO", unit="step", disable=jax.process_index() != 0)
+  for step in bar:
+    t0 = time.perf_counter()
+    records = next(data)
+    batch, metrics = rollout(setup, sampler, trainer, state.lora, records,
+                             jax.random.fold_in(state.key, step))
+    for _ in range(cfg.grpo.num_iterations):
+      state, step_metrics = trainer.train_step(state, batch)
+    step_metrics = jax.device_get(step_metrics)
+    if not np.isfinite(step_metrics["loss"]):
+      raise FloatingPointError(f"step {step + 1}: the loss is {step_metrics['loss']}; "
+                               "stopping without saving (the last checkpoint is intact)")
+    dt = time.perf_counter() - t0
+    metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
+                   tokens_per_s=float((np.asarray(batch.prompt_valid).sum() * cfg.rollout.
+                                       num_generations + np.asarray(batch.completion_mask).sum())
+                                      / dt))
+    writer.log(step + 1, metrics)
+    bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+                    fmt=f"{metrics['format_rate']:.2f}", s=f"{dt:.0f}")
+    done = step + 1 == cfg.train.steps
+    if (step + 1) % cfg.train.checkpoint_every == 0 or done:
+      ckpt.save(step + 1, _checkpoint_tree(state), data.get_state())
+    if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
+      res, rows = evaluate(setup, sampler, state.lora, setup.eval_records)
+      _print_eval(f"step {step + 1}", res, rows, cfg.train.num_log_samples)
+      writer.log(step + 1, {f"eval/{k}": v for k, v in res.items()})
+  bar.close()
+
+  results["after"], rows = evaluate(setup, sampler, state.lora, setup.eval_records)
+  _print_eval("after", results["after"], rows, cfg.train.num_log_samples)
+  writer.samples(cfg.train.steps, "eval-after", rows)
+  writer.log(cfg.train.steps, {f"eval/{k}": v for k, v in results["after"].items()})
+  writer.write_json("eval.json", results)
+  plot = writer.plot()
+  writer.close()
+  ckpt.close()
+  if "before" in results:
+    tqdm.write(f"held-out mean reward {results['before']['mean_reward']:.3f} -> "
+               f"{results['after']['mean_reward']:.3f}; run in {run}"
+               + (f", plot {plot}" if plot else ""))
+  return results
+
+
+def _read_eval(run) -> dict:
+  p = run / "eval.json"
+  return json.loads(p.read_text()) if p.exists() else {}
+
+
+def restore_lora(setup: Setup):
+  """The latest checkpoint's LoRA weights from the run directory (the base LoRA if none)."""
+  ckpt = Checkpointer(setup.cfg.run_path / "checkpoints", setup.cfg.train.keep_checkpoints)
+  step = ckpt.latest_step()
+  if step is None:
+    return setup.lora, 0
+  trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
+  state = trainer.init_state(setup.lora, jax.random.PRNGKey(0))
+  tree, _ = ckpt.restore(step, _checkpoint_tree(state))
+  return tree["lora"], step
+
+
+def eval_only(cfg: Config) -> dict:
+  setup = build(cfg)
+  lora, step = restore_lora(setup)
+  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
+  _print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
+              cfg.train.num_log_samples)
+  return result
+
+
+def sample(cfg: Config, question: str, n: int) -> list[str]:
+  setup = build(cfg)
+  lora, _ = restore_lora(setup)
+  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  prompt = prompts_lib.render(cfg.data.template, question)
+  scfg = sampling_config(cfg, setup.tokenizer, greedy=n == 1)
+  comps, _, _ = sampler.sample((lora, setup.base), [prompt], jax.random.PRNGKey(cfg.train.seed),
+                               scfg, max(n, 1) if n > 1 else 1)
+  return comps.texts

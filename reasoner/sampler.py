@@ -1,0 +1,237 @@
+"""Batched sampling for rollouts and evaluation: one prefill per prompt, one `lax.while_loop`.
+
+The G completions of a prompt share its prefill: the prompt's KV cache is computed once and
+repeated to the G rows. Decoding stops when every row is done (a stop token or stop sequence),
+or after `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
+Only the last position's logits are ever formed ([rows, V]), never [rows, prompt, V].
+
+Returned log-probs are those of the policy itself (temperature 1, no top-k/top-p), the
+quantity GRPO's ratio uses, whatever temperature the tokens were drawn at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from reasoner import heads
+from reasoner import mesh as mesh_lib
+from reasoner.data.sources import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int
+  temperature: float = 1.0  # 0: greedy
+  top_k: int | None = None
+  top_p: float | None = None
+  stop_ids: tuple[int, ...] = ()
+  stop_sequences: tuple[tuple[int, ...], ...] = ()  # e.g. the ids of '</answer>'
+  pad_id: int = 0
+
+
+class Completions(NamedTuple):
+  tokens: np.ndarray  # [rows, N] int32, pad after the stop
+  mask: np.ndarray  # [rows, N] bool, True on generated tokens (the stop token included)
+  logprobs: np.ndarray  # [rows, N] float32, 0 where mask is False
+  texts: list[str]
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+  """[B, T] bool -> [B, T] positions counting only real tokens (left padding gets 0)."""
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(valid: jax.Array, cache_len: int | None = None) -> jax.Array:
+  """[B, T] -> [B, T, S]: query i sees key j <= i where key j is a real token."""
+  t = valid.shape[1]
+  s = cache_len or t
+  causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None]
+  keys = jnp.pad(valid, ((0, 0), (0, s - t)))
+  return causal[None] & keys[:, None, :]
+
+
+def init_cache(spec_cfg: Any, batch: int, size: int, dtype) -> dict:
+  shape = (batch, size, spec_cfg.num_kv_heads, spec_cfg.head_dim)
+  return {f"layer_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                         "end_index": jnp.zeros((batch,), jnp.int32)}
+          for i in range(spec_cfg.num_layers)}
+
+
+def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """[B, V] float32 -> [B] int32 under temperature / top-k / top-p (0 temperature: argmax)."""
+  if cfg.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  z = logits / cfg.temperature
+  if cfg.top_k is not None:
+    z, idx = jax.lax.top_k(z, cfg.top_k)  # sorted, descending
+  elif cfg.top_p is not None:  # a full sort of the vocabulary: prefer setting top_k too
+    idx = jnp.argsort(-z, axis=-1)
+    z = jnp.take_along_axis(z, idx, axis=-1)
+  else:
+    idx = None
+  if cfg.top_p is not None:
+    probs = jax.nn.softmax(z, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+    z = jnp.where(before < cfg.top_p, z, -jnp.inf)
+  choice = jax.random.categorical(key, z, axis=-1)
+  if idx is None:
+    return choice.astype(jnp.int32)
+  return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _stop_table(cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Stop sequences right-aligned in a [S, L] table, with a mask of the positions that count."""
+  seqs = list(cfg.stop_sequences) or [()]
+  width = max(1, max(len(s) for s in seqs))
+  table = np.full((len(seqs), width), -1, np.int32)
+  valid = np.zeros((len(seqs), width), bool)
+  for i, s in enumerate(seqs):
+    if s:
+      table[i, width - len(s):] = s
+      valid[i, width - len(s):] = True
+  return table, valid
+
+
+class _Loop(NamedTuple):
+  step: jax.Array
+  tokens: jax.Array
+  logps: jax.Array
+  valid: jax.Array
+  done: jax.Array
+  tail: jax.Array
+  hidden: jax.Array
+  cache: dict
+  kv_mask: jax.Array
+  key: jax.Array
+
+
+def generate(graphdef, states: tuple, prompt: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+             cfg: SamplingConfig, num_generations: int):
+  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)."""
+  model = nnx.merge(graphdef, *states)
+  tcfg = model.config
+  b, p = prompt.shape
+  n, g = cfg.max_new_tokens, num_generations
+  size = p + n
+  emb = model.embedding()
+
+  # Prefill once per prompt, then repeat the cache to the G rows of its group.
+  cache = init_cache(tcfg, b, size, emb.dtype)
+  hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask), cache,
+                                      causal_mask(prompt_mask, size))
+  rep = lambda x: jnp.repeat(x, g, axis=0)
+  cache = jax.tree.map(rep, cache)
+  last = rep(hidden[:, -1])
+  prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
+  kv_mask = rep(jnp.pad(prompt_mask, ((0, 0), (0, n))))
+  rows = b * g
+
+  stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
+  table, table_valid = (jnp.asarray(a) for a in _stop_table(cfg))
+  width = table.shape[1]
+
+  def body(s: _Loop) -> _Loop:
+    step_model = nnx.merge(graphdef, *states)  # modules of this trace level (qwix sets attrs)
+    z = heads.logits(s.hidden, emb, model.logit_softcap)  # [rows, V]
+    key, sub = jax.random.split(s.key)
+    tok = sample_token(z, sub, cfg)
+    tok = jnp.where(s.done, cfg.pad_id, tok)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
+    live = ~s.done
+    tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
+    seq_hit = jnp.all((tail[:, None, :] == table[None]) | ~table_valid[None], axis=-1)
+    seq_hit = jnp.any(seq_hit & jnp.any(table_valid, axis=-1)[None], axis=-1)
+    hit = jnp.any(tok[:, None] == stop_ids[None], axis=-1) | seq_hit
+    kv_mask = s.kv_mask.at[:, p + s.step].set(True)
+    h, cache = step_model.hidden_states(tok[:, None], (prompt_len + s.step)[:, None], s.cache,
+                                   kv_mask[:, None, :])
+    return _Loop(
+        step=s.step + 1,
+        tokens=s.tokens.at[:, s.step].set(tok),
+        logps=s.logps.at[:, s.step].set(jnp.where(live, logp, 0.0)),
+        valid=s.valid.at[:, s.step].set(live),
+        done=s.done | (live & hit),
+        tail=tail, hidden=h[:, 0], cache=cache, kv_mask=kv_mask, key=key)
+
+  def cond(s: _Loop) -> jax.Array:
+    return (s.step < n) & ~jnp.all(s.done)
+
+  init = _Loop(
+      step=jnp.int32(0), tokens=jnp.full((rows, n), cfg.pad_id, jnp.int32),
+      logps=jnp.zeros((rows, n), jnp.float32), valid=jnp.zeros((rows, n), bool),
+      done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
+      hidden=last, cache=cache, kv_mask=kv_mask, key=key)
+  out = jax.lax.while_loop(cond, body, init)
+  return out.tokens, out.valid, out.logps
+
+
+def bucket(length: int, step: int = 32) -> int:
+  """Rounds a prompt length up to a multiple of `step`: bounded recompiles, little padding."""
+  return max(step, -(-length // step) * step)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+  toks = np.full((len(seqs), width), pad_id, np.int32)
+  mask = np.zeros((len(seqs), width), bool)
+  for i, s in enumerate(seqs):
+    if len(s) > width:
+      raise ValueError(f"prompt of {len(s)} tokens exceeds the padded width {width}")
+    toks[i, width - len(s):] = s
+    mask[i, width - len(s):] = True
+  return toks, mask
+
+
+class Sampler:
+  """Tokenises prompts, pads them into buckets and the batch to the data-parallel size."""
+
+  def __init__(self, graphdef, tokenizer, mesh, max_prompt_tokens: int):
+    # The graph is fixed for the session; parameters (LoRA included) come with each call.
+    self._generate = jax.jit(functools.partial(generate, graphdef),
+                             static_argnames=("cfg", "num_generations"))
+    self.tokenizer = tokenizer
+    self.mesh = mesh
+    self.max_prompt_tokens = max_prompt_tokens
+    self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
+
+  def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+    out = []
+    for text in prompts:
+      ids = self.tokenizer.encode(text, add_bos=True)
+      if len(ids) > self.max_prompt_tokens:
+        raise DataError(f"a prompt has {len(ids)} tokens, more than data.max_prompt_tokens = "
+                         f"{self.max_prompt_tokens}: {text[:80]!r}...")
+      out.append(ids)
+    return out
+
+  def sample(self, states: tuple, prompts: Sequence[str], key: jax.Array, cfg: SamplingConfig,
+             num_generations: int = 1) -> tuple[Completions, np.ndarray, np.ndarray]:
+    """Completions ([len(prompts) * G] rows) and the padded prompt tokens and mask.
+
+    `states` are the model's states as split with the sampler's graphdef, e.g. (lora, base):
+    the live training parameters, never a copy.
+    """
+    ids = self.encode_prompts(prompts)
+    width = min(bucket(max(len(s) for s in ids)), bucket(self.max_prompt_tokens))
+    toks, mask = left_pad(ids, width, self.tokenizer.pad_id)
+    b = len(prompts)
+    dp = self.mesh.shape["fsdp"]
+    extra = (-b) % dp  # pad the prompt batch with copies of the first prompt; dropped below
+    if extra:
+      toks = np.concatenate([toks, np.repeat(toks[:1], extra, 0)])
+      mask = np.concatenate([mask, np.repeat(mask[:1], extra, 0)])
+    self.compiled_shapes.add((toks.shape[0], width, cfg, num_generations))
+    out = self._generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
+                   mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg,
+                   num_generations=num_generations)
+    rows = b * num_generations
+    tokens, valid, logps = (np.asarray(jax.device_get(x))[:rows] for x in out)
+    texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
+    return Completions(tokens, valid, logps, texts), toks[:b], mask[:b]

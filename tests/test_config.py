@@ -1,0 +1,48 @@
+import pytest
+
+from conftest import ROOT, tiny_config
+from reasoner.config import ConfigError, check_mesh, load_config
+
+
+def test_presets_load():
+  for name in ("embedded", "tiny", "gemma3_1b", "gemma2_2b"):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg.rollout.num_generations >= 2
+
+
+def test_overrides_are_typed():
+  cfg = tiny_config("train.steps=7", "rollout.temperature=0.5", "rollout.top_k=null",
+                    "grpo.scale_rewards=false")
+  assert cfg.train.steps == 7 and cfg.rollout.temperature == 0.5
+  assert cfg.rollout.top_k is None and cfg.grpo.scale_rewards is False
+
+
+def test_unknown_key_names_the_key_and_the_known_ones():
+  with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'.*steps"):
+    tiny_config("train.stepz=5")
+
+
+def test_wrong_type_names_key_value_and_expectation():
+  with pytest.raises(ConfigError, match=r"'train.steps' = 'five': expected an integer"):
+    tiny_config("train.steps=five")
+
+
+def test_impossible_values():
+  with pytest.raises(ConfigError, match=r"rollout.num_generations' = 1: expected at least 2"):
+    tiny_config("rollout.num_generations=1")
+  with pytest.raises(ConfigError, match=r"'grpo.loss_agg' = 'mean': expected one of"):
+    tiny_config("grpo.loss_agg=mean")
+
+
+def test_batch_must_split_over_data_parallel_size():
+  cfg = tiny_config("train.batch_size=3", "rollout.num_generations=2")
+  with pytest.raises(ConfigError, match=r"train.batch_size' = 3.*\(6\).*mesh.fsdp = 8"):
+    check_mesh(cfg, 8)
+  check_mesh(cfg, 2)
+
+
+def test_missing_file_and_bad_override():
+  with pytest.raises(ConfigError, match="config file 'nope.yaml' does not exist"):
+    load_config("nope.yaml")
+  with pytest.raises(ConfigError, match="expected key=value"):
+    tiny_config("train.steps")

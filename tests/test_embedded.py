@@ -1,0 +1,56 @@
+"""The embedded Gemma 3 270M: tokenizer ids and logits against Hugging Face transformers.
+
+Reference values in gguf_reference_logits.json were computed once with an independent
+implementation (transformers 5.12.1 + torch 2.13.0 CPU, float32, eager attention, reading the
+same GGUF file) by:
+    pip install torch==2.13.0 transformers==5.12.1 accelerate gguf
+    python tools/reference_logits.py <dir holding gemma-3-270m-q4_k_m.gguf> > ref.json
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from reasoner import heads, mesh as mesh_lib
+from reasoner.config import MeshConfig, ModelConfig
+from reasoner.models import gemma, gguf
+from reasoner.sampler import causal_mask, positions_from_mask
+
+REF = json.loads((ROOT / "tests" / "gguf_reference_logits.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+  return gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
+
+
+def test_tokenizer_ids(ckpt):
+  tok = ckpt.tokenizer()
+  assert tok.vocab_size == 262144
+  assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+  assert tok.encode("<start_of_turn>user\nHi<end_of_turn>") == [105, 2364, 107, 10979, 106]
+  assert tok.end_of_turn_id == 106
+  assert tok.encode("Question: What is 12 + 7?\nAnswer:", add_bos=True) == REF["input_ids"]
+  assert tok.encode("12") == [236770, 236778]  # digits are split
+  text = "Hello  world,\n\ttabs and   spaces: 3.14 <answer>7</answer>"
+  assert tok.decode(tok.encode(text)) == text
+
+
+def test_logits_match_transformers(ckpt):
+  mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:1])
+  model = gemma.from_host(gemma.model_spec(ModelConfig()), mesh, ckpt.reader())
+  x = jnp.asarray([REF["input_ids"]])
+  v = jnp.ones_like(x, bool)
+  h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
+  z = np.asarray(heads.logits(h[0], model.embedding()))
+  for pos, ref in REF["positions"].items():
+    row = z[int(pos)]
+    ids = [i for i, _ in ref["top8"]]
+    assert list(np.argsort(-row)[:8]) == ids
+    np.testing.assert_allclose(row[ids], [v for _, v in ref["top8"]], rtol=1e-4, atol=2e-4)
+    sel = {int(k): v for k, v in ref["selected"].items()}
+    np.testing.assert_allclose(row[list(sel)], list(sel.values()), rtol=1e-4, atol=2e-4)

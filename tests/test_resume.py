@@ -1,0 +1,57 @@
+"""Kill a training process, re-run the same command, and get the uninterrupted run's weights."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from conftest import ROOT
+
+STEPS = 6
+
+
+def _cmd(run_dir, name):
+  return [sys.executable, "-m", "reasoner", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+          f"train.run_dir={run_dir}", f"train.run_name={name}", f"train.steps={STEPS}",
+          "train.checkpoint_every=2", "train.keep_checkpoints=3"]
+
+
+def _env():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  return env
+
+
+def _lora(run_dir, name, step):
+  out = ocp.StandardCheckpointer().restore(run_dir / name / "checkpoints" / str(step) / "state")
+  return out["lora"], out["opt_state"]
+
+
+def test_killed_run_resumes_to_the_same_parameters(tmp_path):
+  subprocess.run(_cmd(tmp_path, "full"), env=_env(), cwd=ROOT, check=True, capture_output=True)
+
+  proc = subprocess.Popen(_cmd(tmp_path, "cut"), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  ckpt = tmp_path / "cut" / "checkpoints"
+  deadline = time.time() + 600
+  while not (ckpt / "2").exists() and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.2)
+  assert proc.poll() is None, "the run finished before it could be interrupted"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  assert steps and steps[-1] < STEPS
+
+  out = subprocess.run(_cmd(tmp_path, "cut"), env=_env(), cwd=ROOT, capture_output=True,
+                       text=True, check=True)
+  assert "resumed from" in out.stderr + out.stdout
+  a, b = _lora(tmp_path, "full", STEPS), _lora(tmp_path, "cut", STEPS)
+  import jax
+
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert (tmp_path / "cut" / "eval.json").exists() and (tmp_path / "cut" / "reward.png").exists()
