@@ -66,7 +66,7 @@ def policy_loss(
   per_token = -jnp.minimum(unclipped, clipped)
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
-  metrics = {"clip_fraction": jnp.sum((unclipped != clipped) * m) / n}
+  metrics = {"clip_fraction": jnp.sum((clipped < unclipped) * m) / n}  # clipping binds
   if beta > 0:
     delta = ref_logp - logp
     kl = jnp.exp(delta) - delta - 1.0  # k3: unbiased, non-negative

@@ -63,6 +63,20 @@ def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
+def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:
+  """Small arrays not yet on the mesh (step counters, PRNG keys) replicated over it, built from
+  each host's copy, so that checkpoints restore them onto the mesh too."""
+  rep = replicated(mesh)
+
+  def place(x):
+    if isinstance(getattr(x, "sharding", None), NamedSharding):
+      return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
+
+  return jax.tree.map(place, tree)
+
+
 def array_from_host(shape: tuple[int, ...], sharding: NamedSharding,
                     read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
   """Builds a global array shard by shard: `read(index)` returns only that shard's block.

@@ -87,11 +87,14 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
   correct = rewards_lib.correct(prompts, comps.texts, answer=answers)
   metrics = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
              **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+             **{f"reward_std/{k}": float(v.std()) for k, v in per_fn.items()},
              "accuracy": float(np.mean(correct)),
              "format_rate": float(np.mean(rewards_lib.format_exact(prompts, comps.texts))),
              "completion_length": float(comps.mask.sum(1).mean()),
              "rollout_tokens_per_s": float(comps.mask.sum() / t_sample),
              "rollout_s": t_sample}
+  metrics["samples"] = [{"question": records[i // g]["question"], "completion": comps.texts[i],
+                         "reward": float(total[i])} for i in range(0, len(comps.texts), g)]
   return Batch(**batch), metrics
 
 
@@ -108,7 +111,8 @@ def train(cfg: Config) -> dict:
   trainer = Trainer(setup.graphdef, setup.base, cfg)
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
   ckpt = Checkpointer(run / "checkpoints", cfg.train.keep_checkpoints)
-  state = trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed))
+  state = mesh_lib.replicate_unplaced(
+      trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed)), setup.mesh)
   data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed,
                                 jax.process_index(), jax.process_count())
   start = ckpt.latest_step() or 0
@@ -144,6 +148,7 @@ def train(cfg: Config) -> dict:
                    tokens_per_s=float((np.asarray(batch.prompt_valid).sum() * cfg.rollout.
                                        num_generations + np.asarray(batch.completion_mask).sum())
                                       / dt))
+    writer.samples(step + 1, "rollout", metrics.pop("samples"))
     writer.log(step + 1, metrics)
     bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
                     fmt=f"{metrics['format_rate']:.2f}", s=f"{dt:.0f}")
@@ -183,7 +188,8 @@ def restore_lora(setup: Setup):
   if step is None:
     return setup.lora, 0
   trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
-  state = trainer.init_state(setup.lora, jax.random.PRNGKey(0))
+  state = mesh_lib.replicate_unplaced(trainer.init_state(setup.lora, jax.random.PRNGKey(0)),
+                                      setup.mesh)
   tree, _ = ckpt.restore(step, _checkpoint_tree(state))
   return tree["lora"], step
 

@@ -172,7 +172,7 @@ def generate(graphdef, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
   return out.tokens, out.valid, out.logps
 
 
-def bucket(length: int, step: int = 32) -> int:
+def bucket(length: int, step: int = 64) -> int:
   """Rounds a prompt length up to a multiple of `step`: bounded recompiles, little padding."""
   return max(step, -(-length // step) * step)
 
