@@ -102,6 +102,34 @@ def _checkpoint_tree(state) -> dict:
   return {"step": state.step, "lora": state.lora, "opt_state": state.opt_state, "key": state.key}
 
 
+def _eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
+                 tag: str) -> dict:
+  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
+  _print_eval(tag, result, rows, setup.cfg.train.num_log_samples)
+  writer.samples(step, f"eval-{tag}", rows)
+  writer.log(step, {f"eval/{k}": v for k, v in result.items()})
+  return result
+
+
+def _grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records, step: int):
+  """Rollout, then mu optimisation passes on it: (state, metrics)."""
+  t0 = time.perf_counter()
+  batch, metrics = rollout(setup, sampler, trainer, state.lora, records,
+                           jax.random.fold_in(state.key, step))
+  for _ in range(setup.cfg.grpo.num_iterations):
+    state, step_metrics = trainer.train_step(state, batch)
+  step_metrics = jax.device_get(step_metrics)
+  if not np.isfinite(step_metrics["loss"]):
+    raise FloatingPointError(f"step {step + 1}: the loss is {step_metrics['loss']}; "
+                             "stopping without saving (the last checkpoint is intact)")
+  dt = time.perf_counter() - t0
+  tokens = (np.asarray(batch.prompt_valid).sum() * setup.cfg.rollout.num_generations
+            + np.asarray(batch.completion_mask).sum())
+  metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
+                 tokens_per_s=float(tokens / dt))
+  return state, metrics
+
+
 def train(cfg: Config) -> dict:
   """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results."""
   setup = build(cfg)
@@ -124,47 +152,25 @@ def train(cfg: Config) -> dict:
 
   results = _read_eval(run)
   if cfg.train.eval_before and "before" not in results:
-    results["before"], rows = evaluate(setup, sampler, state.lora, setup.eval_records)
-    _print_eval("before", results["before"], rows, cfg.train.num_log_samples)
-    writer.samples(0, "eval-before", rows)
-    writer.log(0, {f"eval/{k}": v for k, v in results["before"].items()})
+    results["before"] = _eval_logged(setup, sampler, state.lora, writer, 0, "before")
     writer.write_json("eval.json", results)
 
   bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
              desc="GRPO", unit="step", disable=jax.process_index() != 0)
   for step in bar:
-    t0 = time.perf_counter()
-    records = next(data)
-    batch, metrics = rollout(setup, sampler, trainer, state.lora, records,
-                             jax.random.fold_in(state.key, step))
-    for _ in range(cfg.grpo.num_iterations):
-      state, step_metrics = trainer.train_step(state, batch)
-    step_metrics = jax.device_get(step_metrics)
-    if not np.isfinite(step_metrics["loss"]):
-      raise FloatingPointError(f"step {step + 1}: the loss is {step_metrics['loss']}; "
-                               "stopping without saving (the last checkpoint is intact)")
-    dt = time.perf_counter() - t0
-    metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
-                   tokens_per_s=float((np.asarray(batch.prompt_valid).sum() * cfg.rollout.
-                                       num_generations + np.asarray(batch.completion_mask).sum())
-                                      / dt))
+    state, metrics = _grpo_step(setup, sampler, trainer, state, next(data), step)
     writer.samples(step + 1, "rollout", metrics.pop("samples"))
     writer.log(step + 1, metrics)
     bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                    fmt=f"{metrics['format_rate']:.2f}", s=f"{dt:.0f}")
+                    fmt=f"{metrics['format_rate']:.2f}", s=f"{metrics['step_time_s']:.0f}")
     done = step + 1 == cfg.train.steps
     if (step + 1) % cfg.train.checkpoint_every == 0 or done:
       ckpt.save(step + 1, _checkpoint_tree(state), data.get_state())
     if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
-      res, rows = evaluate(setup, sampler, state.lora, setup.eval_records)
-      _print_eval(f"step {step + 1}", res, rows, cfg.train.num_log_samples)
-      writer.log(step + 1, {f"eval/{k}": v for k, v in res.items()})
+      _eval_logged(setup, sampler, state.lora, writer, step + 1, f"step-{step + 1}")
   bar.close()
 
-  results["after"], rows = evaluate(setup, sampler, state.lora, setup.eval_records)
-  _print_eval("after", results["after"], rows, cfg.train.num_log_samples)
-  writer.samples(cfg.train.steps, "eval-after", rows)
-  writer.log(cfg.train.steps, {f"eval/{k}": v for k, v in results["after"].items()})
+  results["after"] = _eval_logged(setup, sampler, state.lora, writer, cfg.train.steps, "after")
   writer.write_json("eval.json", results)
   plot = writer.plot()
   writer.close()
