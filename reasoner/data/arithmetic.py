@@ -16,7 +16,7 @@ TEMPLATES = [
     ("{n} has {a} {x} and loses {b} of them. How many {x} are left?", "-"),
     ("{n} has {a} bags with {b} {x} in each bag. How many {x} does {n} have?", "*"),
 ]
-RANGES = {"easy": (1, 20, 2, 9), "medium": (10, 99, 2, 12), "hard": (100, 999, 3, 25)}
+RANGES = {"easy": (1, 9, 2, 5), "medium": (1, 20, 2, 9), "hard": (10, 99, 2, 12)}
 
 
 def _problem(rng: random.Random, difficulty: str) -> dict:
