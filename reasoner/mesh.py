@@ -60,7 +60,7 @@ def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
   """
   split = host.shape[0] % mesh.shape["fsdp"] == 0
   sharding = batch_sharding(mesh, host.ndim) if split else replicated(mesh)
-  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+  return array_from_host(host.shape, sharding, lambda idx: host[idx])
 
 
 def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:
@@ -72,7 +72,7 @@ def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:
     if isinstance(getattr(x, "sharding", None), NamedSharding):
       return x
     host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
+    return array_from_host(host.shape, rep, lambda idx: host[idx])
 
   return jax.tree.map(place, tree)
 

@@ -139,8 +139,7 @@ def train(cfg: Config) -> dict:
   trainer = Trainer(setup.graphdef, setup.base, cfg)
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
   ckpt = Checkpointer(run / "checkpoints", cfg.train.keep_checkpoints)
-  state = mesh_lib.replicate_unplaced(
-      trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed)), setup.mesh)
+  state = trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed))
   data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed,
                                 jax.process_index(), jax.process_count())
   start = ckpt.latest_step() or 0
@@ -194,8 +193,7 @@ def restore_lora(setup: Setup):
   if step is None:
     return setup.lora, 0
   trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
-  state = mesh_lib.replicate_unplaced(trainer.init_state(setup.lora, jax.random.PRNGKey(0)),
-                                      setup.mesh)
+  state = trainer.init_state(setup.lora, jax.random.PRNGKey(0))
   tree, _ = ckpt.restore(step, _checkpoint_tree(state))
   return tree["lora"], step
 

@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from reasoner import grpo, heads
+from reasoner import mesh as mesh_lib
 from reasoner.config import Config
 from reasoner.sampler import causal_mask, init_cache, positions_from_mask
 
@@ -106,8 +107,11 @@ class Trainer:
     self._logprobs = jax.jit(self._completion_logprobs)
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=self.tx.init(lora),
-                      key=key)
+    """Step, key and optimizer counters are replicated on the LoRA weights' mesh, so that a
+    checkpoint restores them there too."""
+    state = TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=self.tx.init(lora),
+                       key=key)
+    return mesh_lib.replicate_unplaced(state, jax.tree.leaves(lora)[0].sharding.mesh)
 
   def model(self, lora):
     return nnx.merge(self.graphdef, lora, self.base)
