@@ -10,7 +10,7 @@ from flax import nnx
 
 from reasoner import lora as lora_lib
 from reasoner import mesh as mesh_lib
-from reasoner.config import Config, ConfigError, check_mesh
+from reasoner.config import Config, check_mesh
 from reasoner.data import sources
 from reasoner.models import gemma
 from reasoner.models.tokenizer import ByteTokenizer
@@ -36,14 +36,16 @@ class Setup:
 
 
 def check(cfg: Config) -> tuple[jax.sharding.Mesh, Rewards, list, list]:
-  """Everything that can fail on bad input, before any weight is read."""
+  """Everything that can fail on bad input, before any weight is read: for Kaggle, the local
+  download's layout, or credentials and the network (seconds, nothing downloaded)."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   check_mesh(cfg, mesh.shape["fsdp"])
   rewards = Rewards(cfg.rewards)
-  train, held_out = sources.load_splits(cfg.data)
   if cfg.model.source == "kaggle":
-    raise ConfigError("config key 'model.source' = 'kaggle': loading Kaggle checkpoints is not "
-                      "implemented yet; use model.source=embedded or random")
+    from reasoner.models import kaggle
+
+    kaggle.resolve(cfg.model)
+  train, held_out = sources.load_splits(cfg.data)
   return mesh, rewards, train, held_out
 
 
@@ -58,6 +60,8 @@ def build(cfg: Config) -> Setup:
     tokenizer = ckpt.tokenizer()
     spec = gemma.model_spec(m, tokenizer.vocab_size)
     model = gemma.from_host(spec, mesh, ckpt.reader())
+  elif m.source == "kaggle":
+    tokenizer, model = _kaggle(cfg, mesh)
   else:  # random
     tokenizer = ByteTokenizer() if m.tokenizer == "bytes" else _embedded_tokenizer()
     spec = gemma.model_spec(m, None if m.name != "tiny" else max(m.tiny_vocab,
@@ -66,6 +70,18 @@ def build(cfg: Config) -> Setup:
   model = lora_lib.apply_lora(model, cfg.lora, mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
   return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out)
+
+
+def _kaggle(cfg: Config, mesh: jax.sharding.Mesh):
+  """(tokenizer, model) from a Kaggle Flax checkpoint, restored straight into its shards."""
+  from reasoner.models import kaggle
+
+  layout = kaggle.fetch(cfg.model)
+  tokenizer = kaggle.tokenizer(layout)
+  meta = kaggle.read_metadata(layout.params)
+  spec = gemma.model_spec(cfg.model, kaggle.vocab_size(meta))  # the vocabulary: tiny only
+  log.info("restoring %s into its shards (mesh %s) ...", layout.params, dict(mesh.shape))
+  return tokenizer, kaggle.restore(spec, mesh, layout.params, meta)
 
 
 def _embedded_tokenizer():

@@ -2,6 +2,10 @@
 data iterator's state. A save is atomic (orbax writes to a temporary folder and renames it), so a
 run killed mid-save leaves the previous checkpoints whole; re-running the same command resumes
 from the latest finished one.
+
+With several processes every process calls `save` and `restore` (orbax's multi-host path: each
+process writes and reads the shards of its own devices, process 0 the metadata and the data
+iterator's JSON, which is the same on every process since all draw the same global batch).
 """
 
 from __future__ import annotations

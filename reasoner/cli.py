@@ -1,4 +1,4 @@
-"""`python -m reasoner train|eval|sample --config FILE [key=value ...]`: parse, build, call."""
+"""`python -m reasoner train|eval|sample|plan --config FILE [key=value ...]`: parse, build, call."""
 
 from __future__ import annotations
 
@@ -17,13 +17,20 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
   for name, text in (("train", "run GRPO (resumes from the run's latest checkpoint)"),
                      ("eval", "greedy accuracy and format rate on the held-out split"),
-                     ("sample", "print completions for one question")):
+                     ("sample", "print completions for one question"),
+                     ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
+                              "time on this machine")):
     c = sub.add_parser(name, help=text)
     c.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (configs/)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
     if name == "sample":
       c.add_argument("--question", required=True)
       c.add_argument("-n", type=int, default=1, help="completions (1: greedy)")
+    if name == "plan":
+      c.add_argument("--topology", default="v5e:2x4", help="TPU topology, or 'cpu' (this host)")
+      c.add_argument("--no-search", dest="search", action="store_false",
+                     help="only the configured batch, no search for the largest that fits")
+      c.add_argument("--analytic", action="store_true", help="estimate; compile nothing")
   return p
 
 
@@ -41,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "train":
       run.train(cfg)
+    elif args.command == "plan":
+      from reasoner import plan
+
+      print(plan.format_report(plan.plan(cfg, args.topology, args.search, args.analytic,
+                                         log=lambda s: print(s, file=sys.stderr, flush=True))))
     elif args.command == "eval":
       run.eval_only(cfg)
     else:

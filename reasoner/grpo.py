@@ -46,6 +46,57 @@ def aggregate(per_token: jax.Array, mask: jax.Array, how: str) -> jax.Array:
   raise ValueError(f"unknown loss aggregation {how!r}")
 
 
+def token_weights(mask: jax.Array, how: str) -> jax.Array:
+  """[R, N] weights w with aggregate(x, mask, how) == sum(w * x): every aggregation is linear
+  in the per-token values, which is what lets the fused head take the loss's gradient in its
+  forward pass (`heads.fused_token_loss`)."""
+  m = mask.astype(jnp.float32)
+  if how == "token-mean":
+    return m / jnp.maximum(jnp.sum(m), 1.0)
+  if how == "sequence-mean-token-mean":
+    return m / (jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0) * m.shape[0])
+  if how == "sequence-mean-token-sum-norm":
+    return m / (m.shape[0] * m.shape[1])
+  raise ValueError(f"unknown loss aggregation {how!r}")
+
+
+def token_loss(
+    logp: jax.Array,  # [...] log pi_theta(token)
+    old_logp: jax.Array,  # [...] log pi_old
+    ref_logp: jax.Array,  # [...] log pi_ref (ignored when beta == 0)
+    advantages: jax.Array,  # [...] A of each token's row, broadcast to logp's shape
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float,
+) -> jax.Array:
+  """Per-token loss, elementwise: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3,
+  with r = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1."""
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = ratio * advantages
+  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * advantages
+  per_token = -jnp.minimum(unclipped, clipped)
+  if beta > 0:
+    delta = ref_logp - logp
+    per_token = per_token + beta * (jnp.exp(delta) - delta - 1.0)
+  return per_token
+
+
+def policy_metrics(logp, old_logp, ref_logp, advantages, mask, *, epsilon_low: float,
+                   epsilon_high: float, beta: float) -> dict[str, jax.Array]:
+  """Token means of where clipping binds and (beta > 0) of the k3 KL; [R, N] inputs."""
+  ratio = jnp.exp(logp - old_logp)
+  adv = advantages[:, None]
+  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+  m = mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  metrics = {"clip_fraction": jnp.sum((clipped < ratio * adv) * m) / n}  # clipping binds
+  if beta > 0:
+    delta = ref_logp - logp
+    metrics["kl"] = jnp.sum((jnp.exp(delta) - delta - 1.0) * m) / n
+  return metrics
+
+
 def policy_loss(
     logp: jax.Array,  # [R, N] log pi_theta(token)
     old_logp: jax.Array,  # [R, N] log pi_old (the rollout policy)
@@ -58,18 +109,13 @@ def policy_loss(
     beta: float,
     loss_agg: str,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The clipped surrogate, negated for minimisation, plus beta * KL(pi_theta || pi_ref)."""
-  ratio = jnp.exp(logp - old_logp)
-  adv = advantages[:, None]
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
-  per_token = -jnp.minimum(unclipped, clipped)
-  m = mask.astype(jnp.float32)
-  n = jnp.maximum(jnp.sum(m), 1.0)
-  metrics = {"clip_fraction": jnp.sum((clipped < unclipped) * m) / n}  # clipping binds
-  if beta > 0:
-    delta = ref_logp - logp
-    kl = jnp.exp(delta) - delta - 1.0  # k3: unbiased, non-negative
-    per_token = per_token + beta * kl
-    metrics["kl"] = jnp.sum(kl * m) / n
+  """The clipped surrogate, negated for minimisation, plus beta * KL(pi_theta || pi_ref).
+
+  The dense form of what the trainer computes with `heads.fused_token_loss`: the same
+  `token_loss`, aggregated with the same `token_weights`."""
+  ref = jnp.zeros_like(logp) if ref_logp is None else ref_logp
+  eps = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
+  per_token = token_loss(logp, old_logp, ref, jnp.broadcast_to(advantages[:, None], logp.shape),
+                         **eps)
+  metrics = policy_metrics(logp, old_logp, ref, advantages, mask, **eps)
   return aggregate(per_token, mask, loss_agg), metrics

@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib
@@ -22,6 +23,19 @@ from reasoner.sampler import Sampler, SamplingConfig
 from reasoner.trainer import Batch, Trainer, build_batch
 
 log = logging.getLogger("reasoner")
+
+
+def make_sampler(setup: Setup) -> Sampler:
+  return Sampler(setup.graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens,
+                 setup.cfg.rollout.prompt_buckets)
+
+
+def _agreed(value: int) -> int:
+  """Process 0's value on every process: decisions that start collective work (resume step,
+  whether to evaluate) must not depend on when each process looked at the run directory."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def sampling_config(cfg: Config, tokenizer, greedy: bool) -> SamplingConfig:
@@ -56,6 +70,8 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
 
 
 def _print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
+  if jax.process_index() != 0:
+    return
   tqdm.write(f"[{tag}] held-out ({result['n']}): mean reward {result['mean_reward']:.3f}  "
              f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}")
   for r in rows[:n_samples]:
@@ -92,7 +108,8 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
              "format_rate": float(np.mean(rewards_lib.format_exact(prompts, comps.texts))),
              "completion_length": float(comps.mask.sum(1).mean()),
              "rollout_tokens_per_s": float(comps.mask.sum() / t_sample),
-             "rollout_s": t_sample}
+             "rollout_s": t_sample,
+             "tokens": int(host["prompt_valid"].sum() * g + comps.mask.sum())}
   metrics["samples"] = [{"question": records[i // g]["question"], "completion": comps.texts[i],
                          "reward": float(total[i])} for i in range(0, len(comps.texts), g)]
   return Batch(**batch), metrics
@@ -123,8 +140,7 @@ def _grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records,
     raise FloatingPointError(f"step {step + 1}: the loss is {step_metrics['loss']}; "
                              "stopping without saving (the last checkpoint is intact)")
   dt = time.perf_counter() - t0
-  tokens = (np.asarray(batch.prompt_valid).sum() * setup.cfg.rollout.num_generations
-            + np.asarray(batch.completion_mask).sum())
+  tokens = metrics.pop("tokens")  # counted on the host: the batch spans every process
   metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
                  tokens_per_s=float(tokens / dt))
   return state, metrics
@@ -137,20 +153,22 @@ def train(cfg: Config) -> dict:
   writer = MetricsWriter(run)
   writer.write_json("config.json", cfg.to_dict())
   trainer = Trainer(setup.graphdef, setup.base, cfg)
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  sampler = make_sampler(setup)
   ckpt = Checkpointer(run / "checkpoints", cfg.train.keep_checkpoints)
   state = trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed))
-  data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed,
-                                jax.process_index(), jax.process_count())
-  start = ckpt.latest_step() or 0
+  # Every process draws the same global batch of questions (a few KB of text); placement
+  # (mesh.put_batch) gives each process's devices only their rows.
+  data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed)
+  start = _agreed(ckpt.latest_step() or 0)
   if start:
     tree, data_state = ckpt.restore(start, _checkpoint_tree(state))
     state = state.replace(**tree)
     data.set_state(data_state)
-    tqdm.write(f"resumed from {ckpt.directory}/{start} (step {start} of {cfg.train.steps})")
+    if jax.process_index() == 0:
+      tqdm.write(f"resumed from {ckpt.directory}/{start} (step {start} of {cfg.train.steps})")
 
-  results = _read_eval(run)
-  if cfg.train.eval_before and "before" not in results:
+  results = _read_eval(run) if jax.process_index() == 0 else {}  # process 0 owns the files
+  if cfg.train.eval_before and _agreed("before" not in results):
     results["before"] = _eval_logged(setup, sampler, state.lora, writer, 0, "before")
     writer.write_json("eval.json", results)
 
@@ -174,7 +192,7 @@ def train(cfg: Config) -> dict:
   plot = writer.plot()
   writer.close()
   ckpt.close()
-  if "before" in results:
+  if "before" in results and jax.process_index() == 0:
     tqdm.write(f"held-out mean reward {results['before']['mean_reward']:.3f} -> "
                f"{results['after']['mean_reward']:.3f}; run in {run}"
                + (f", plot {plot}" if plot else ""))
@@ -201,7 +219,7 @@ def restore_lora(setup: Setup):
 def eval_only(cfg: Config) -> dict:
   setup = build(cfg)
   lora, step = restore_lora(setup)
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  sampler = make_sampler(setup)
   result, rows = evaluate(setup, sampler, lora, setup.eval_records)
   _print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
               cfg.train.num_log_samples)
@@ -211,7 +229,7 @@ def eval_only(cfg: Config) -> dict:
 def sample(cfg: Config, question: str, n: int) -> list[str]:
   setup = build(cfg)
   lora, _ = restore_lora(setup)
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, cfg.data.max_prompt_tokens)
+  sampler = make_sampler(setup)
   prompt = prompts_lib.render(cfg.data.template, question)
   scfg = sampling_config(cfg, setup.tokenizer, greedy=n == 1)
   comps, _, _ = sampler.sample((lora, setup.base), [prompt], jax.random.PRNGKey(cfg.train.seed),

@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from reasoner import heads
 from reasoner import mesh as mesh_lib
 from reasoner.data.sources import DataError
+
+log = logging.getLogger("reasoner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,34 @@ def init_cache(spec_cfg: Any, batch: int, size: int, dtype) -> dict:
   return {f"layer_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
                          "end_index": jnp.zeros((batch,), jnp.int32)}
           for i in range(spec_cfg.num_layers)}
+
+
+def cache_spec(spec_cfg: Any, mesh: Mesh) -> P:
+  """KV cache [rows, slots, kv_heads, head_dim]: rows over 'fsdp', heads over 'tp' where they
+  divide (Gemma 3 1B has a single KV head: it is then replicated over 'tp')."""
+  tp = mesh.shape["tp"]
+  return P("fsdp", None, "tp" if tp > 1 and spec_cfg.num_kv_heads % tp == 0 else None, None)
+
+
+def kv_cache_bytes(spec_cfg: Any, rows: int, size: int, dtype, mesh: Mesh) -> int:
+  """Bytes of KV cache one chip holds for `rows` sequences of `size` slots (the sampler's
+  layout, `cache_spec`): the figure the planner's compiled rollout step must agree with."""
+  fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+  heads_per_chip = spec_cfg.num_kv_heads
+  if cache_spec(spec_cfg, mesh)[2] == "tp":
+    heads_per_chip //= tp
+  per_layer = 2 * -(-rows // fsdp) * size * heads_per_chip * spec_cfg.head_dim
+  return spec_cfg.num_layers * (per_layer * jnp.dtype(dtype).itemsize
+                                + -(-rows // fsdp) * 4)  # + end_index int32
+
+
+def shard_cache(cache: dict, spec_cfg: Any, mesh: Mesh) -> dict:
+  kv = NamedSharding(mesh, cache_spec(spec_cfg, mesh))
+  rows = NamedSharding(mesh, P("fsdp"))
+  return {name: {"k": jax.lax.with_sharding_constraint(c["k"], kv),
+                 "v": jax.lax.with_sharding_constraint(c["v"], kv),
+                 "end_index": jax.lax.with_sharding_constraint(c["end_index"], rows)}
+          for name, c in cache.items()}
 
 
 def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -112,9 +145,13 @@ class _Loop(NamedTuple):
   key: jax.Array
 
 
-def generate(graphdef, states: tuple, prompt: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-             cfg: SamplingConfig, num_generations: int):
-  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)."""
+def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
+             key: jax.Array, *, cfg: SamplingConfig, num_generations: int):
+  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt).
+
+  B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
+  are split over 'fsdp', KV heads over 'tp'.
+  """
   model = nnx.merge(graphdef, *states)
   tcfg = model.config
   b, p = prompt.shape
@@ -127,7 +164,7 @@ def generate(graphdef, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
   hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask), cache,
                                       causal_mask(prompt_mask, size))
   rep = lambda x: jnp.repeat(x, g, axis=0)
-  cache = jax.tree.map(rep, cache)
+  cache = shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
   last = rep(hidden[:, -1])
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   kv_mask = rep(jnp.pad(prompt_mask, ((0, 0), (0, n))))
@@ -172,9 +209,23 @@ def generate(graphdef, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
   return out.tokens, out.valid, out.logps
 
 
-def bucket(length: int, step: int = 64) -> int:
-  """Rounds a prompt length up to a multiple of `step`: bounded recompiles, little padding."""
-  return max(step, -(-length // step) * step)
+def default_buckets(max_prompt_tokens: int, smallest: int = 64) -> tuple[int, ...]:
+  """Powers of two from `smallest`, ending at `max_prompt_tokens` itself: at most
+  log2(max / smallest) + 1 prompt widths, so at most that many compiles per sampling config."""
+  out, w = [], smallest
+  while w < max_prompt_tokens:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (max_prompt_tokens,)
+
+
+def bucket(length: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket that holds `length` tokens."""
+  for width in sorted(buckets):
+    if width >= length:
+      return width
+  raise ValueError(f"a prompt of {length} tokens is longer than the largest bucket "
+                   f"{max(buckets)}")
 
 
 def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray,
@@ -190,15 +241,24 @@ def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np
 
 
 class Sampler:
-  """Tokenises prompts, pads them into buckets and the batch to the data-parallel size."""
+  """Tokenises prompts, pads them into buckets and the batch to the data-parallel size.
 
-  def __init__(self, graphdef, tokenizer, mesh, max_prompt_tokens: int):
+  Each distinct (batch, width, sampling config, G) compiles once; the count is logged, so a
+  run that keeps recompiling shows it.
+  """
+
+  def __init__(self, graphdef, tokenizer, mesh: Mesh, max_prompt_tokens: int,
+               buckets: Sequence[int] | None = None):
     # The graph is fixed for the session; parameters (LoRA included) come with each call.
-    self._generate = jax.jit(functools.partial(generate, graphdef),
+    self._generate = jax.jit(functools.partial(generate, graphdef, mesh),
                              static_argnames=("cfg", "num_generations"))
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.max_prompt_tokens = max_prompt_tokens
+    self.buckets = tuple(sorted(buckets or default_buckets(max_prompt_tokens)))
+    if self.buckets[-1] < max_prompt_tokens:
+      raise ValueError(f"the largest prompt bucket {self.buckets[-1]} is smaller than "
+                       f"max_prompt_tokens {max_prompt_tokens}")
     self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
 
   def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -216,22 +276,33 @@ class Sampler:
     """Completions ([len(prompts) * G] rows) and the padded prompt tokens and mask.
 
     `states` are the model's states as split with the sampler's graphdef, e.g. (lora, base):
-    the live training parameters, never a copy.
+    the live training parameters, never a copy. Every process passes the same prompts.
     """
     ids = self.encode_prompts(prompts)
-    width = min(bucket(max(len(s) for s in ids)), bucket(self.max_prompt_tokens))
+    width = bucket(max(len(s) for s in ids), self.buckets)
     toks, mask = left_pad(ids, width, self.tokenizer.pad_id)
     b = len(prompts)
-    dp = self.mesh.shape["fsdp"]
-    extra = (-b) % dp  # pad the prompt batch with copies of the first prompt; dropped below
+    extra = (-b) % self.mesh.shape["fsdp"]  # pad with copies of the first prompt; dropped below
     if extra:
       toks = np.concatenate([toks, np.repeat(toks[:1], extra, 0)])
       mask = np.concatenate([mask, np.repeat(mask[:1], extra, 0)])
-    self.compiled_shapes.add((toks.shape[0], width, cfg, num_generations))
+    shape = (toks.shape[0], width, cfg, num_generations)
+    if shape not in self.compiled_shapes:
+      self.compiled_shapes.add(shape)
+      log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
+               "(%d sampler shapes so far)", shape[0], width, num_generations,
+               cfg.max_new_tokens, len(self.compiled_shapes))
     out = self._generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
-                   mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg,
-                   num_generations=num_generations)
+                         mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg,
+                         num_generations=num_generations)
     rows = b * num_generations
-    tokens, valid, logps = (np.asarray(jax.device_get(x))[:rows] for x in out)
+    tokens, valid, logps = (to_host(x)[:rows] for x in out)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
     return Completions(tokens, valid, logps, texts), toks[:b], mask[:b]
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole array on this host; on several hosts, gathered from all processes."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -10,6 +10,7 @@ argument that is never donated or updated.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax
@@ -43,9 +44,8 @@ class Batch(NamedTuple):
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
 
 
-def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
-                        chunk: int = 256) -> tuple[jax.Array, jax.Array]:
-  """log p and entropy of each completion token, [B * G, N].
+def completion_hidden(model, prompt, prompt_valid, completion, completion_mask) -> jax.Array:
+  """Final hidden states that predict each completion token, [B * G, N, D].
 
   Each prompt goes through the model once and its KV cache is repeated to its G rows (exact:
   gradients flow back through the shared cache), so the prompt costs B, not B * G, rows. Where
@@ -56,14 +56,13 @@ def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask
   g = rows // b
   size = p + n
   window = getattr(model.config, "sliding_window_size", None)
-  emb, cap = model.embedding(), model.logit_softcap
   if window is not None and size > window:
     tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], axis=1)
     valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], axis=1)
     inp, v = tokens[:, :-1], valid[:, :-1]
     hidden, _ = model.hidden_states(inp, positions_from_mask(v), None, causal_mask(v))
-    return heads.token_logprobs(hidden[:, -n:], emb, completion, chunk=chunk, softcap=cap)
-  cache = init_cache(model.config, b, size, emb.dtype)
+    return hidden[:, -n:]
+  cache = init_cache(model.config, b, size, model.embedding().dtype)
   h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid), cache,
                                         causal_mask(prompt_valid, size))
   rep = lambda x: jnp.repeat(x, g, axis=0)
@@ -76,7 +75,15 @@ def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask
     positions = rep(jnp.sum(prompt_valid, axis=1))[:, None] + jnp.arange(n - 1)[None]
     h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask)
     hidden = jnp.concatenate([hidden, h_comp], axis=1)
-  return heads.token_logprobs(hidden, emb, completion, chunk=chunk, softcap=cap)
+  return hidden
+
+
+def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
+                        chunk: int | None = None, mesh=None) -> tuple[jax.Array, jax.Array]:
+  """log p and entropy of each completion token, [B * G, N] (the chunked head, `heads`)."""
+  hidden = completion_hidden(model, prompt, prompt_valid, completion, completion_mask)
+  return heads.token_logprobs(hidden, model.embedding(), completion, chunk=chunk, mesh=mesh,
+                              softcap=model.logit_softcap)
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -99,6 +106,8 @@ class Trainer:
 
   def __init__(self, graphdef, base, cfg: Config):
     self.graphdef, self.base, self.cfg = graphdef, base, cfg
+    # The head chunks tokens per chip of this mesh (base may be abstract, as in `plan`).
+    self.mesh = getattr(jax.tree.leaves(base)[0].sharding, "mesh", None)
     self.tx, self.schedule = make_optimizer(cfg)
     # State is donated on accelerators. XLA:CPU ran the 270M step 1.9x slower with donation
     # (51 s vs 27 s, 2 cores), so on CPU the old state is simply dropped.
@@ -124,24 +133,33 @@ class Trainer:
     return self._logprobs(self.base, lora, prompt, prompt_valid, completion, completion_mask)
 
   def _completion_logprobs(self, base, lora, *batch):
-    return completion_logprobs(nnx.merge(self.graphdef, lora, base), *batch)[0]
+    return completion_logprobs(nnx.merge(self.graphdef, lora, base), *batch,
+                               chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
 
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     g = self.cfg.grpo
 
-    def loss_fn(lora):
-      model = nnx.merge(self.graphdef, lora, base)
-      logp, entropy = completion_logprobs(model, batch.prompt, batch.prompt_valid,
-                                          batch.completion, batch.completion_mask)
-      loss, aux = grpo.policy_loss(
-          logp, batch.old_logp, batch.ref_logp if g.beta > 0 else None, batch.advantages,
-          batch.completion_mask, epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high,
-          beta=g.beta, loss_agg=g.loss_agg)
+    def loss_fn(model):
+      hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
+                                 batch.completion_mask)
+      eps = dict(epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, beta=g.beta)
+      adv = jnp.broadcast_to(batch.advantages[:, None], batch.old_logp.shape)
+      loss, logp, entropy = heads.fused_token_loss(
+          hidden, model.embedding(), batch.completion,
+          grpo.token_weights(batch.completion_mask, g.loss_agg),
+          functools.partial(grpo.token_loss, **eps), (batch.old_logp, batch.ref_logp, adv),
+          chunk=self.cfg.train.head_chunk, mesh=self.mesh, softcap=model.logit_softcap)
+      aux = grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                                batch.completion_mask, **eps)
       m = batch.completion_mask.astype(jnp.float32)
       aux["entropy"] = jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0)
       return loss, aux
 
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.lora)
+    # nnx.value_and_grad, not jax's: Tunix's remat (model.remat block / decoder) is nnx.remat,
+    # which cannot update a module merged inside a plain jax transform (TraceContextError).
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
+                                 has_aux=True)
+    (loss, aux), grads = grad_fn(nnx.merge(self.graphdef, state.lora, base))
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),

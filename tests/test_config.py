@@ -46,3 +46,11 @@ def test_missing_file_and_bad_override():
     load_config("nope.yaml")
   with pytest.raises(ConfigError, match="expected key=value"):
     tiny_config("train.steps")
+
+
+def test_prompt_buckets_are_checked_against_the_prompt_limit():
+  assert tiny_config("rollout.prompt_buckets=[128,640]").rollout.prompt_buckets == (128, 640)
+  with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets' .*strictly increasing"):
+    tiny_config("rollout.prompt_buckets=[256,128]")
+  with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets'.*max_prompt_tokens = 640"):
+    tiny_config("rollout.prompt_buckets=[64,128]")

@@ -1,9 +1,17 @@
+"""The chunked heads against dense float32 references, on 1 device and on 8 fake devices."""
+
+import functools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from reasoner import heads
+from reasoner import grpo, heads
+
+EPS = dict(epsilon_low=0.2, epsilon_high=0.28)
 
 
 def dense(h, e, y, softcap=None):
@@ -16,14 +24,45 @@ def dense(h, e, y, softcap=None):
   return logp, ent
 
 
-@pytest.mark.parametrize("b,t,chunk,softcap", [(3, 7, 4, None), (2, 5, 64, 30.0), (1, 1, 3, None)])
-def test_chunked_head_matches_dense(b, t, chunk, softcap):
-  k = jax.random.split(jax.random.key(0), 4)
-  v, d = 97, 16
+def problem(b, t, v=97, d=16, seed=0):
+  k = jax.random.split(jax.random.key(seed), 7)
   h = jax.random.normal(k[0], (b, t, d))
   e = jax.random.normal(k[1], (v, d)) * 0.5
   y = jax.random.randint(k[2], (b, t), 0, v)
-  w = jax.random.normal(k[3], (b, t))
+  lengths = jax.random.randint(k[3], (b,), 0, t + 1).at[0].set(t)
+  mask = jnp.arange(t)[None] < lengths[:, None]  # right padding: row 0 full, others any
+  logp, _ = dense(h, e, y)
+  old = logp + 0.3 * jax.random.normal(k[4], (b, t))  # ratios on both sides of the clip
+  ref = logp + 0.3 * jax.random.normal(k[5], (b, t))
+  adv = jax.random.normal(k[6], (b,))
+  return h, e, y, mask, old, ref, adv
+
+
+def dense_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap):
+  logp, ent = dense(h, e, y, softcap)
+  loss, _ = grpo.policy_loss(logp, old, ref, adv, mask, beta=beta, loss_agg=agg, **EPS)
+  return loss, (logp, ent)
+
+
+def fused_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, chunk=None, mesh=None):
+  fn = functools.partial(grpo.token_loss, beta=beta, **EPS)
+  a = jnp.broadcast_to(adv[:, None], old.shape)
+  loss, logp, ent = heads.fused_token_loss(h, e, y, grpo.token_weights(mask, agg), fn,
+                                           (old, ref, a), chunk=chunk, mesh=mesh,
+                                           softcap=softcap)
+  return loss, (logp, ent)
+
+
+def assert_close_grads(ours, ref, rtol=1e-4):
+  for a, r in zip(ours, ref):
+    scale = float(jnp.max(jnp.abs(r))) or 1.0
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=rtol, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("b,t,chunk,softcap", [(3, 7, 4, None), (2, 5, 64, 30.0), (1, 1, 3, None)])
+def test_chunked_logprobs_match_dense(b, t, chunk, softcap):
+  h, e, y, *_ = problem(b, t)
+  w = jax.random.normal(jax.random.key(9), (b, t))
   lp, ent = heads.token_logprobs(h, e, y, chunk=chunk, softcap=softcap)
   lp_d, ent_d = dense(h, e, y, softcap)
   np.testing.assert_allclose(lp, lp_d, rtol=1e-5, atol=1e-5)
@@ -32,5 +71,115 @@ def test_chunked_head_matches_dense(b, t, chunk, softcap):
   ours = jax.grad(f(lambda h, e: heads.token_logprobs(h, e, y, chunk=chunk, softcap=softcap)),
                   argnums=(0, 1))(h, e)
   ref = jax.grad(f(lambda h, e: dense(h, e, y, softcap)), argnums=(0, 1))(h, e)
-  for a, r in zip(ours, ref):
-    np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+  assert_close_grads(ours, ref)
+
+
+@pytest.mark.parametrize("b,t,chunk,softcap,beta,agg", [
+    (3, 7, 4, None, 0.0, "token-mean"),  # 21 tokens: the last chunk is padded
+    (2, 5, 3, 30.0, 0.04, "sequence-mean-token-mean"),  # soft cap, KL, padding
+    (4, 9, None, 5.0, 0.1, "sequence-mean-token-sum-norm"),  # automatic chunk, a tight cap
+    (1, 1, 8, None, 0.04, "token-mean"),
+])
+def test_fused_loss_matches_dense(b, t, chunk, softcap, beta, agg):
+  args = problem(b, t, seed=b + t)
+  kw = dict(beta=beta, agg=agg, softcap=softcap)
+  (loss, (lp, ent)), grads = jax.jit(jax.value_and_grad(
+      lambda h, e: fused_loss(h, e, *args[2:], chunk=chunk, **kw), argnums=(0, 1),
+      has_aux=True))(*args[:2])
+  (loss_d, (lp_d, ent_d)), grads_d = jax.value_and_grad(
+      lambda h, e: dense_loss(h, e, *args[2:], **kw), argnums=(0, 1), has_aux=True)(*args[:2])
+  np.testing.assert_allclose(loss, loss_d, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lp, lp_d, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, ent_d, rtol=1e-5, atol=1e-5)
+  assert_close_grads(grads, grads_d)
+  assert float(jnp.abs(grads[0]).max()) > 0
+
+
+def test_fused_loss_frozen_embedding_and_forward_only():
+  args = problem(4, 6)
+  kw = dict(beta=0.04, agg="token-mean", softcap=None)
+  f = lambda h: fused_loss(h, args[1], *args[2:], chunk=5, **kw)[0]
+  g = jax.grad(f)(args[0])  # the embedding is a constant: no dE is formed
+  g_d = jax.grad(lambda h: dense_loss(h, args[1], *args[2:], **kw)[0])(args[0])
+  assert_close_grads([g], [g_d])
+  np.testing.assert_allclose(f(args[0]), dense_loss(*args, **kw)[0], rtol=1e-5)
+
+
+def count_matmuls(jaxpr, vocab) -> int:
+  """dot_generals with the vocabulary in an operand, through scans and other sub-jaxprs."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      n += any(vocab in getattr(x.aval, "shape", ()) for x in eqn.invars)
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else [p]:
+        inner = getattr(sub, "jaxpr", sub)
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          n += count_matmuls(inner, vocab)
+  return n
+
+
+@pytest.mark.parametrize("train_embedding,expected", [(True, 3), (False, 2)])
+def test_each_chunks_logits_are_computed_once(train_embedding, expected):
+  h, e, y, mask, old, ref, adv = problem(4, 6, v=101)
+  kw = dict(beta=0.04, agg="token-mean", softcap=30.0, chunk=5)
+  argnums = (0, 1) if train_embedding else 0
+  grad = jax.grad(lambda h, e: fused_loss(h, e, y, mask, old, ref, adv, **kw)[0], argnums)
+  assert count_matmuls(jax.make_jaxpr(grad)(h, e).jaxpr, 101) == expected  # z, dh[, dE]
+  remat = jax.grad(lambda h, e: jnp.sum(heads.token_logprobs(h, e, y, chunk=5)[0]), argnums)
+  assert count_matmuls(jax.make_jaxpr(remat)(h, e).jaxpr, 101) == expected + 1  # z twice
+
+
+def test_layout_is_a_fixed_number_of_tokens_per_chip():
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(8, 1), ("fsdp", "tp"))
+  for rows in (8, 64, 256):
+    lay = heads.plan_layout(rows, 1024, 262_144, mesh=mesh)
+    assert (lay.chunk, lay.shards) == (256, 8)
+    assert lay.chunks == rows * 1024 // 8 // 256
+  odd = heads.plan_layout(3, 7, 97, chunk=4)
+  assert (odd.shards, odd.chunk, odd.chunks) == (1, 4, 6)  # balanced: 24 slots for 21 tokens
+  x = jnp.arange(16 * 5 * 3).reshape(16, 5, 3)
+  lay = heads.plan_layout(16, 5, 97, mesh=mesh, chunk=4)
+  np.testing.assert_array_equal(heads.from_chunks(heads.to_chunks(x, lay), lay, 16, 5), x)
+
+
+@pytest.mark.parametrize("fsdp,tp,rows", [(8, 1, 16), (2, 4, 6), (8, 1, 6)])
+def test_sharded_heads_match_dense(fsdp, tp, rows):
+  """Rows over 'fsdp', the embedding's vocabulary over 'tp' and D over 'fsdp' (Tunix's
+  emb_vd); (8, 1, 6): rows that do not divide fall back to one shard."""
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(fsdp, tp), ("fsdp", "tp"))
+  h, e, y, mask, old, ref, adv = problem(rows, 11, v=96, d=16, seed=rows)
+  row = lambda x: jax.device_put(x, NamedSharding(
+      mesh, P("fsdp" if rows % fsdp == 0 else None, *([None] * (x.ndim - 1)))))
+  hs, ys, ms, olds, refs, advs = map(row, (h, y, mask, old, ref, adv))
+  es = jax.device_put(e, NamedSharding(mesh, P("tp", "fsdp")))
+  kw = dict(beta=0.04, agg="token-mean", softcap=30.0)
+  ours = jax.jit(jax.value_and_grad(
+      lambda h, e: fused_loss(h, e, ys, ms, olds, refs, advs, chunk=4, mesh=mesh, **kw),
+      argnums=(0, 1), has_aux=True))(hs, es)
+  ref_out = jax.value_and_grad(lambda h, e: dense_loss(h, e, y, mask, old, ref, adv, **kw),
+                               argnums=(0, 1), has_aux=True)(h, e)
+  (loss, (lp, ent)), grads = ours
+  (loss_d, (lp_d, ent_d)), grads_d = ref_out
+  np.testing.assert_allclose(loss, loss_d, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lp, lp_d, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, ent_d, rtol=1e-5, atol=1e-5)
+  assert_close_grads(grads, grads_d)
+  lp2, _ = jax.jit(lambda h, e: heads.token_logprobs(h, e, ys, chunk=4, mesh=mesh,
+                                                     softcap=30.0))(hs, es)
+  np.testing.assert_allclose(lp2, lp_d, rtol=1e-5, atol=1e-5)
+  vals, ids, _ = jax.jit(lambda h, e: heads.topk(h, e, 3, chunk=4, mesh=mesh))(hs, es)
+  vals_d, ids_d = jax.lax.top_k(heads.logits(h, e), 3)
+  np.testing.assert_allclose(vals, vals_d, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(ids, ids_d)
+
+
+@pytest.mark.parametrize("vocab_chunk,softcap", [(None, None), (16, None), (40, 30.0)])
+def test_topk_matches_dense(vocab_chunk, softcap):
+  h, e, *_ = problem(3, 7, v=97)
+  vals, ids, lse = heads.topk(h, e, 5, chunk=4, vocab_chunk=vocab_chunk, softcap=softcap)
+  z = heads.logits(h, e, softcap)
+  vals_d, ids_d = jax.lax.top_k(z, 5)
+  np.testing.assert_allclose(vals, vals_d, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(ids, ids_d)
+  np.testing.assert_allclose(lse, jax.nn.logsumexp(z, -1), rtol=1e-6, atol=1e-6)

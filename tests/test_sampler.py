@@ -93,3 +93,42 @@ def test_one_device_and_eight_devices_agree(setup):
     c, _, _ = sampler.sample(states, ["Q: 1?", "Q: 22?", "Q: 3?"], jax.random.PRNGKey(0), cfg)
     outs.append(c.tokens)
   np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_prompt_buckets_bound_the_compiles(setup):
+  from reasoner.sampler import bucket, default_buckets
+
+  assert default_buckets(640) == (64, 128, 256, 512, 640)
+  assert default_buckets(64) == (64,)
+  assert bucket(65, (64, 128)) == 128 and bucket(64, (64, 128)) == 64
+  with pytest.raises(ValueError, match="longer than the largest bucket 128"):
+    bucket(129, (64, 128))
+  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 640)
+  cfg = SamplingConfig(max_new_tokens=2, temperature=0.0)
+  for prompt in ["Q: 1?", "Question: 12 + 30?", "x" * 100]:  # widths 64, 64, 128
+    sampler.sample((setup.lora, setup.base), [prompt], jax.random.PRNGKey(0), cfg)
+  assert sorted(s[1] for s in sampler.compiled_shapes) == [64, 128]
+
+
+@pytest.mark.parametrize("kv_heads,mesh_shape", [(1, (4, 2)), (2, (4, 2)), (1, (8, 1))])
+def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_shape):
+  """The sampler's cache layout, compiled for 8 devices: the per-device output bytes XLA plans
+  equal `kv_cache_bytes`, and each live shard holds exactly its block."""
+  import types
+
+  from reasoner.sampler import init_cache, kv_cache_bytes, shard_cache
+
+  spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
+  mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))
+  rows, size = 16, 40
+  make = jax.jit(lambda: shard_cache(init_cache(spec, rows, size, jnp.bfloat16), spec, mesh))
+  compiled = make.lower().compile()
+  expected = kv_cache_bytes(spec, rows, size, jnp.bfloat16, mesh)
+  cache = make()
+  # XLA's output figure also counts the output tuple's table of 8-byte buffer pointers.
+  tuple_table = 8 * len(jax.tree.leaves(cache))
+  assert compiled.memory_analysis().output_size_in_bytes == expected + tuple_table
+  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
+  assert per_device == expected
+  k = cache["layer_0"]["k"].addressable_shards[0].data
+  assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)

@@ -95,7 +95,11 @@ def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
 
 def train_iterator(records: list[dict], batch_size: int, seed: int, process_index: int = 0,
                    process_count: int = 1) -> Any:
-  """An endless shuffled iterator of per-process batches; `get_state()` goes into checkpoints."""
+  """An endless shuffled iterator of per-process batches; `get_state()` goes into checkpoints.
+
+  The GRPO loop draws the global batch on every process (the default 0 of 1): each process
+  scores whole groups, and `mesh.put_batch` hands each process's devices only their rows.
+  """
   if batch_size % process_count:
     raise DataError(f"train.batch_size {batch_size} does not split over {process_count} "
                     "processes")

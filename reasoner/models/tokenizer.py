@@ -24,7 +24,8 @@ class Tokenizer(Protocol):
 
 
 class SentencePieceTokenizer:
-  """Gemma's SentencePiece model, from a serialized ModelProto or a tokenizer.model file."""
+  """Gemma's SentencePiece model, from a serialized ModelProto or a tokenizer.model file (the
+  GGUF's rebuilt vocabulary, or the Kaggle download's own file)."""
 
   def __init__(self, model_proto: bytes):
     self._sp = spm.SentencePieceProcessor()
@@ -47,7 +48,9 @@ class SentencePieceTokenizer:
     return [self.bos_id, *ids] if add_bos else list(ids)
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._sp.DecodeIds([int(i) for i in ids])
+    """Ids past the vocabulary are dropped: Gemma 2's embedding has 128 rows more (256,128)
+    than its tokenizer has pieces (256,000), and a sampled padding row must not crash."""
+    return self._sp.DecodeIds([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
   def piece(self, i: int) -> str:
     return self._sp.IdToPiece(int(i))

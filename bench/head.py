@@ -1,0 +1,232 @@
+"""The vocabulary head: our fused chunked GRPO head against the dense path, side by side.
+
+    make bench BENCH=head        (python -m bench head)
+
+(a) Planned per-chip HBM and compiled FLOPs, Gemma3-1B (bf16), LoRA r64, L = 256 + 768,
+    G = 8, fsdp = 8 on TPU v5e:2x4 (compiled ahead of time with libtpu, `reasoner.plan`), for
+    each remat setting and global batch (sequences), of
+      ours:  `Trainer._train_step` (shared-prompt forward, `heads.fused_token_loss`);
+      dense: a Tunix-style step: each row's whole sequence through the model, full
+             [rows, L - 1, V] float32 logits, log-softmax, pick the completion tokens.
+    Batches after the first that does not fit (per step and remat) are not compiled: memory
+    grows with the batch. FLOPs ratios compare with the no-remat step at the same batch, taken
+    per row from the largest batch the no-remat step fits when it does not fit itself.
+(b) CPU wall time of head forward + backward (gradients for hidden states and embedding),
+    float32, fused vs dense (and the remat-chunked `token_logprobs`), at a shape both fit.
+
+HEAD_BATCHES (default 32,128,256: batch 8 left out, every 1B compile takes 5-10 minutes on a
+2-core host) and HEAD_REMAT (none,block,decoder) set the grid. The largest batch that fits is
+the largest grid point that fits, not a search.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+
+BATCHES = tuple(int(b) for b in os.environ.get("HEAD_BATCHES", "32,128,256").split(","))
+REMATS = tuple(os.environ.get("HEAD_REMAT", "none,block,decoder").split(","))
+G, PROMPT, NEW, FSDP = 8, 256, 768, 8
+EPS = dict(epsilon_low=0.2, epsilon_high=0.28)
+REPEATS = int(os.environ.get("HEAD_REPEATS", "5"))
+
+
+def config(remat: str, prompts: int):
+  from reasoner.config import load_config
+
+  return load_config(common.RESULTS.parent.parent / "configs" / "gemma3_1b.yaml", [
+      f"model.remat={remat}", "lora.rank=64", f"rollout.num_generations={G}",
+      f"data.max_prompt_tokens={PROMPT}", f"rollout.max_new_tokens={NEW}",
+      f"mesh.fsdp={FSDP}", "mesh.tp=1", f"train.batch_size={max(1, prompts)}"])
+
+
+def dense_step(trainer):
+  """The Tunix-style GRPO step: full sequences, full float32 logits, dense log-softmax."""
+  from flax import nnx
+
+  from reasoner import grpo, heads
+  from reasoner.sampler import causal_mask, positions_from_mask
+
+  g = trainer.cfg.grpo
+
+  def step(base, state, batch):
+    def loss_fn(lora):
+      model = nnx.merge(trainer.graphdef, lora, base)
+      reps = batch.completion.shape[0] // batch.prompt.shape[0]
+      tokens = jnp.concatenate([jnp.repeat(batch.prompt, reps, 0), batch.completion], 1)
+      valid = jnp.concatenate([jnp.repeat(batch.prompt_valid, reps, 0),
+                               batch.completion_mask], 1)
+      h, _ = model.hidden_states(tokens[:, :-1], positions_from_mask(valid[:, :-1]), None,
+                                 causal_mask(valid[:, :-1]))
+      z = jax.nn.log_softmax(heads.logits(h, model.embedding(), model.logit_softcap), -1)
+      n = batch.completion.shape[1]
+      logp = jnp.take_along_axis(z[:, -n:], batch.completion[..., None], -1)[..., 0]
+      return grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                              batch.completion_mask, beta=g.beta, loss_agg=g.loss_agg, **EPS)
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.lora)
+    updates, opt_state = trainer.tx.update(grads, state.opt_state, state.lora)
+    import optax
+
+    lora = optax.apply_updates(state.lora, updates)
+    return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), {"loss": loss,
+                                                                                 **aux}
+  return step
+
+
+def planned(devices, chip) -> list[dict]:
+  """(a): one row per remat setting, batch and step (ours / dense)."""
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from reasoner import plan
+
+  rows = []
+  for remat in REMATS:
+    mesh = Mesh(np.asarray(devices).reshape(FSDP, 1), ("fsdp", "tp"))
+    model = plan.abstract_model(config(remat, 1), mesh)
+    for name, loss in (("ours", None), ("dense", dense_step)):
+      for batch in BATCHES:
+        t0 = time.perf_counter()
+        r = plan.train_plan(config(remat, batch // G), mesh, model, batch // G, chip, loss)
+        rows.append({"remat": remat, "step": name, "batch": batch, "fits": r.fits,
+                     "hbm_gib": r.total / plan.GiB if r.total else None,
+                     "needs_gib": r.needed / plan.GiB if r.needed else None,
+                     "tflop": r.flops / 1e12 if r.flops else None,
+                     "compile_s": time.perf_counter() - t0})
+        print(common.table([rows[-1]]).splitlines()[-1], flush=True)
+        if not r.fits:
+          break
+  return rows
+
+
+def head_inputs(b=1, t=512, d=640, v=262_144):
+  k = jax.random.split(jax.random.key(0), 6)
+  h = jax.random.normal(k[0], (b, t, d)) * 0.5
+  e = jax.random.normal(k[1], (v, d)) * 0.05
+  y = jax.random.randint(k[2], (b, t), 0, v)
+  mask = jnp.ones((b, t), bool)
+  old = -12.0 + jax.random.normal(k[3], (b, t))
+  adv = jax.random.normal(k[4], (b,))
+  return h, e, y, mask, old, adv
+
+
+def head_times() -> dict:
+  """(b): best of REPEATS warm calls of jitted value_and_grad w.r.t. (hidden, embedding),
+  the three heads' calls interleaved."""
+  from reasoner import grpo, heads
+
+  h, e, y, mask, old, adv = head_inputs()
+  a = jnp.broadcast_to(adv[:, None], old.shape)
+  fn = functools.partial(grpo.token_loss, beta=0.0, **EPS)
+  w = grpo.token_weights(mask, "token-mean")
+
+  def fused(h, e):
+    return heads.fused_token_loss(h, e, y, w, fn, (old, old, a))[0]
+
+  def dense(h, e):
+    logp = jnp.take_along_axis(jax.nn.log_softmax(heads.logits(h, e), -1), y[..., None],
+                               -1)[..., 0]
+    return grpo.policy_loss(logp, old, None, adv, mask, beta=0.0, loss_agg="token-mean",
+                            **EPS)[0]
+
+  def remat(h, e):
+    logp, _ = heads.token_logprobs(h, e, y)
+    return grpo.policy_loss(logp, old, None, adv, mask, beta=0.0, loss_agg="token-mean",
+                            **EPS)[0]
+
+  out = {"shape": "B1 T512 H640 V262144 float32", "repeats": REPEATS}
+  steps = {}
+  for name, f in (("fused", fused), ("dense", dense), ("remat_chunked", remat)):
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+    out[f"{name}_temp_gib"] = step.lower(h, e).compile().memory_analysis().temp_size_in_bytes \
+        / 2**30
+    jax.block_until_ready(step(h, e))
+    steps[name], out[f"{name}_s"] = step, float("inf")
+  for _ in range(REPEATS):  # interleaved, so that load from other processes hits all alike
+    for name, step in steps.items():
+      out[f"{name}_s"] = min(out[f"{name}_s"], common.timeit(lambda: step(h, e), repeats=1))
+  for name in steps:
+    print(f"  head {name}: {out[f'{name}_s']:.2f} s, temporaries "
+          f"{out[f'{name}_temp_gib']:.2f} GiB", flush=True)
+  return out
+
+
+def scan_count_check() -> float:
+  """Planner FLOPs of a 16-step scan over one matmul / (16 x that matmul's FLOPs): 1.0."""
+  from reasoner import plan
+
+  k, m, n, d = 16, 64, 128, 256
+  f = lambda x, w: jax.lax.scan(lambda c, xi: (c + jnp.sum(xi @ w), None), 0.0, x)[0]
+  compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((k, m, n), jnp.float32),
+                              jax.ShapeDtypeStruct((n, d), jnp.float32)).compile()
+  return plan.hlo_cost(compiled.as_text())[0] / (k * 2 * m * n * d)
+
+
+def summarise(rows: list[dict], hbm_gib: float) -> dict:
+  """HBM ratios at batch 32, FLOPs relative to the no-remat step, largest fitting batches."""
+  at = {(r["remat"], r["step"], r["batch"]): r for r in rows}
+  out: dict = {"hbm_ratio_at_32": {}, "largest": {}, "largest_flops_ok": {}}
+  for step in ("ours", "dense"):
+    fit_none = [r for r in rows if (r["remat"], r["step"]) == ("none", step) and r["fits"]]
+    per_row = fit_none[-1]["tflop"] / fit_none[-1]["batch"] if fit_none else None
+    best, best_ok = 0, 0
+    for r in rows:
+      if r["step"] != step or not r["fits"]:
+        continue
+      same = at.get(("none", step, r["batch"]))
+      base = same["tflop"] if same and same["fits"] else (per_row or 0) * r["batch"]
+      r["flops_vs_no_remat"] = r["tflop"] / base if base else None
+      best = max(best, r["batch"])
+      if r["flops_vs_no_remat"] is not None and r["flops_vs_no_remat"] <= 1.3:
+        best_ok = max(best_ok, r["batch"])
+    out["largest"][step], out["largest_flops_ok"][step] = best, best_ok
+  for remat in REMATS:
+    ours, dense = at.get((remat, "ours", 32)), at.get((remat, "dense", 32))
+    if ours and ours["fits"] and dense:  # a dense step that does not fit needs more than
+      need = dense["hbm_gib"] if dense["fits"] else max(dense["needs_gib"] or 0, hbm_gib)
+      out["hbm_ratio_at_32"][remat] = ours["hbm_gib"] / need  # XLA's report, or 16 GiB
+  return out
+
+
+def main() -> None:
+  from reasoner import plan
+
+  devices, chip, method = plan.target("v5e:2x4")
+  print(f"(a) {method}", flush=True)
+  rows = planned(devices, chip) if devices is not None else []
+  summary = summarise(rows, chip.hbm / plan.GiB)
+  if rows:
+    print(common.table(rows))
+  print("(b) CPU head forward + backward", flush=True)
+  times = head_times()
+  ratio = times["fused_s"] / times["dense_s"]
+  scan = scan_count_check()
+  goals = [common.goal(f"HBM per chip at batch 32, remat {k}: ours / dense", v, 0.6)
+           for k, v in summary["hbm_ratio_at_32"].items()]
+  if rows:
+    goals += [
+        common.goal("largest batch fitting 16 GiB with FLOPs <= 1.3x the no-remat step's",
+                    summary["largest_flops_ok"]["ours"], 128, at_most=False),
+        common.goal("largest batch fitting 16 GiB, any remat",
+                    summary["largest"]["ours"], 256, at_most=False)]
+  goals += [common.goal("fused head time / dense head time (CPU, fwd+bwd)", ratio, 1.05),
+            common.goal("planner FLOPs of a 16-step scan / (16 x body FLOPs), minus 1",
+                        abs(scan - 1.0), 0.0)]
+  path = common.write(
+      "head", {"planned": [r for r in rows if r["step"] == "ours"], "summary": summary,
+               "cpu_head": times, "fused_over_dense": ratio, "scan_count_ratio": scan},
+      {"planned_dense": [r for r in rows if r["step"] == "dense"]}, goals,
+      method=method, batches=list(BATCHES), remat=list(REMATS),
+      shapes={"model": "gemma3-1b", "lora_rank": 64, "prompt": PROMPT, "new": NEW, "G": G,
+              "fsdp": FSDP, "topology": "v5e:2x4"})
+  for g in goals:
+    print(f"  goal {'MET' if g['met'] else 'NOT MET'}: {g['name']}: {g['value']:.3g} "
+          f"(target {g['direction'].replace('_', ' ')} {g['target']})")
+  print(f"wrote {path}")

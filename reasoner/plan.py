@@ -1,0 +1,588 @@
+"""Plans a run for a TPU slice from any CPU machine: per-chip HBM, FLOPs and step time.
+
+    python -m reasoner plan --config configs/gemma3_1b.yaml          # v5e:2x4, with search
+    python -m reasoner plan --config configs/tiny.yaml --no-search --topology v5e:2x4
+
+The real train step (`Trainer._train_step`, state donated as on an accelerator) and the real
+rollout step (the sampler's `generate`) are compiled ahead of time for the topology with
+libtpu's compiler (`pip install '.[tpu]'`), from abstract inputs: ShapeDtypeStructs carrying
+NamedShardings on a mesh of the topology's compile-only devices, so nothing is allocated.
+
+Memory per chip: arguments + temporaries + outputs - aliased (donated) bytes, from XLA's
+memory analysis (on CPU `peak_memory_in_bytes` is arguments + outputs only). A compile that
+runs out of HBM counts as not fitting.
+
+FLOPs per chip: XLA's cost analysis counts a while loop's body once, so a `lax.scan` of K
+steps (the chunked head) or the sampler's decode loop would be one step. The planner walks the
+compiled HLO instead: matmul and convolution FLOPs of every computation, loop bodies multiplied
+by their trip count (XLA's `known_trip_count`, else the loop condition's bound: for the
+sampler's early-exit loop that is max_new_tokens, an upper bound). HBM traffic is estimated the
+same way (operands + results of each unfused op or fusion, slices counted at their size). The
+step time is the roofline max(FLOPs / peak, bytes / bandwidth): a lower bound.
+
+Without libtpu (or with `--analytic`) the figures are an analytic estimate, and say so.
+`topology="cpu"` compiles for this host's devices instead (XLA:CPU's memory, for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from reasoner import mesh as mesh_lib
+from reasoner.config import Config, ConfigError, check_mesh
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  hbm: int  # bytes
+  flops: float  # peak bf16 FLOP/s
+  bandwidth: float  # HBM bytes/s
+
+
+CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9),
+         "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9),
+         "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9),
+         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9)}
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """One compiled (or estimated) step, per chip."""
+
+  what: str  # train | rollout
+  prompts: int
+  rows: int  # prompts x G
+  arguments: int = 0
+  outputs: int = 0
+  temporaries: int = 0
+  aliased: int = 0
+  flops: float = 0.0  # loop bodies once per trip
+  xla_flops: float = 0.0  # XLA's cost analysis (loop bodies once)
+  bytes: float = 0.0
+  fits: bool = True
+  note: str = ""
+  needed: int = 0  # bytes XLA reported needing when the compile ran out of HBM (a lower bound)
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.temporaries + self.outputs - self.aliased
+
+  def seconds(self, chip: Chip) -> float:
+    return max(self.flops / chip.flops, self.bytes / chip.bandwidth)
+
+
+# ------------------------------------------------------------------- compiled-HLO cost walk
+
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\]")
+_ITEM = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+         "partition-id", "replica-id", "iota"}
+
+
+@dataclasses.dataclass
+class _Op:  # one HLO instruction: `name = shape op(text_args), attrs`
+  name: str
+  shape: str
+  op: str
+  args: list[str]  # operand names
+  attrs: str
+  text_args: str
+
+
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _nbytes(shape: str) -> float:
+  size = lambda dt: _ITEM.get(dt) or max(1, int(re.sub(r"\D", "", dt.split("e")[0])) // 8)
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * size(dt)
+             for dt, dims in _ARRAY.findall(shape))
+
+
+def _close(s: str, i: int) -> int:
+  """Index of the parenthesis closing the one at s[i]."""
+  depth = 0
+  for j in range(i, len(s)):
+    depth += {"(": 1, ")": -1}.get(s[j], 0)
+    if depth == 0:
+      return j
+  return len(s) - 1
+
+
+def _parse_op(line: str) -> _Op | None:
+  m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)", line)
+  if not m:
+    return None
+  name, rest = m.groups()
+  if rest.startswith("("):
+    j = _close(rest, 0)
+    shape, rest = rest[:j + 1], rest[j + 2:]
+  else:
+    shape, _, rest = rest.partition(" ")
+  k = rest.find("(")
+  if k < 0:
+    return None
+  j = _close(rest, k)
+  text_args = rest[k + 1:j]
+  return _Op(name, shape, rest[:k], re.findall(r"%([\w.\-]+)", text_args), rest[j + 1:],
+             text_args)
+
+
+def parse_hlo(text: str) -> tuple[dict[str, dict[str, _Op]], str]:
+  """Computations of an HLO module's text: {name: {op name: op}}, and the entry's name."""
+  comps: dict[str, dict[str, _Op]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    head = re.match(r"(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = comps.setdefault(head.group(2), {})
+      entry = head.group(2) if head.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None and (op := _parse_op(line)):
+      current[op.name] = op
+  return comps, entry
+
+
+def _called(op: _Op, key: str) -> list[str]:
+  m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.\-]+)", op.attrs)
+  return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
+
+
+def _index(op: _Op) -> int:
+  m = re.search(r"index=(\d+)", op.attrs)
+  return int(m.group(1)) if m else -1
+
+
+def _induction(op: _Op, comp: dict[str, _Op], comps: dict) -> int | None:
+  """Trips of `while i < N` from its condition, the body's `i + step` and the initial i."""
+  cond = comps.get((_called(op, "condition") or [""])[0], {})
+  body = list(comps.get((_called(op, "body") or [""])[0], {}).values())
+  for c in cond.values():
+    if c.op != "compare" or "direction=LT" not in c.attrs or len(c.args) != 2:
+      continue
+    i, n = cond.get(c.args[0]), cond.get(c.args[1])
+    if not (i and n and i.op == "get-tuple-element" and n.op == "constant"):
+      continue
+    k, step, init = _index(i), 1, 0
+    body_ops = {b.name: b for b in body}
+    nxt = body_ops.get(body[-1].args[k]) if body and body[-1].op == "tuple" else None
+    if nxt is not None and nxt.op == "add":
+      consts = [body_ops[a] for a in nxt.args if a in body_ops and body_ops[a].op == "constant"]
+      step = int(consts[0].text_args) if consts else 1
+    start = comp.get(op.args[0]) if op.args else None
+    if start is not None and start.op == "tuple" and k < len(start.args):
+      first = comp.get(start.args[k])
+      init = int(first.text_args) if first is not None and first.op == "constant" else 0
+    return max(0, -(-(int(n.text_args) - init) // max(1, step)))
+  return None
+
+
+def _trip_count(op: _Op, comp: dict[str, _Op], comps: dict) -> int:
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.attrs)
+  if m:
+    return int(m.group(1))
+  trips = _induction(op, comp, comps)
+  if trips is not None:
+    return trips
+  consts, todo = [1], _called(op, "condition")  # else the condition's largest integer
+  while todo:  # constant (i < n), in the fusions it calls too
+    for c in comps.get(todo.pop(), {}).values():
+      consts += [int(c.text_args)] if c.op == "constant" and re.match(r"[su]\d+\[\]",
+                                                                        c.shape) else []
+      todo += _called(c, "calls")
+  return max(consts)
+
+
+def _window(op: _Op, key: str, n: int, default: int) -> list[int]:
+  m = re.search(r"\b" + key + r"=([\d_x]+)", op.attrs)
+  return [int(v.split("_")[0]) for v in m.group(1).split("x")] if m else [default] * n
+
+
+def _matmul_flops(op: _Op, comp: dict[str, _Op]) -> float:
+  """2 x multiply-adds of a dot or convolution. For a convolution only the (output, window)
+  pairs that land on real input count, as in XLA's HloCostAnalysis: gradients lowered to
+  convolutions carry wide zero padding."""
+  out = _dims(op.shape)
+  if op.op == "dot":
+    lhs = _dims(comp[op.args[0]].shape) if op.args[0] in comp else []
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.attrs)
+    k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m and lhs else 1
+    return 2.0 * math.prod(out) * k
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", op.attrs)
+  lhs, rhs = (_dims(comp[a].shape) if a in comp else [] for a in op.args[:2])
+  if not labels or not lhs or not rhs:
+    return 0.0
+  ll, rl, ol = labels.groups()
+  n = len(ll) - 2
+  lo = _window(op, "pad", n, 0)
+  stride, ldil, rdil = (_window(op, k, n, 1) for k in ("stride", "lhs_dilate", "rhs_dilate"))
+  total = 2.0 * out[ol.index("b")] * out[ol.index("f")] * rhs[rl.index("i")]
+  for d in range(n):
+    size, c = lhs[ll.index(str(d))], str(d)
+    pos = (np.arange(out[ol.index(c)])[:, None] * stride[d]
+           + np.arange(rhs[rl.index(c)])[None] * rdil[d] - lo[d])
+    total *= int(np.sum((pos >= 0) & (pos <= (size - 1) * ldil[d]) & (pos % ldil[d] == 0)))
+  return total
+
+
+def _fusion_bytes(op: _Op, comp: dict[str, _Op], fused: dict[str, _Op]) -> float:
+  """Operands + result of one fusion; operands only sliced inside count at the slice's size,
+  a buffer updated in place (dynamic-update-slice) at the update's size."""
+  users: dict[str, list[_Op]] = {}
+  for f in fused.values():
+    for a in f.args:
+      users.setdefault(a, []).append(f)
+  params = {int(f.text_args): f.name for f in fused.values() if f.op == "parameter"}
+  total = 0.0
+  root = list(fused.values())[-1] if fused else None
+  for i, a in enumerate(op.args):
+    us = users.get(params.get(i, ""), [])
+    if us and all(u.op in ("dynamic-slice", "slice", "gather") for u in us):
+      total += sum(_nbytes(u.shape) for u in us)
+    elif us and all(u.op == "dynamic-update-slice" and u.args[0] == params[i] for u in us):
+      continue
+    else:
+      total += _nbytes(comp[a].shape) if a in comp else 0.0
+  if root is not None and root.op == "dynamic-update-slice" and root.args[1] in fused:
+    return total + _nbytes(fused[root.args[1]].shape)
+  return total + _nbytes(op.shape)
+
+
+def hlo_cost(text: str) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of a compiled HLO module, every loop body counted once per trip."""
+  comps, entry = parse_hlo(text)
+  memo: dict[tuple[str, bool], float] = {}
+
+  def walk(name: str, traffic: bool) -> float:
+    if (name, traffic) in memo:
+      return memo[(name, traffic)]
+    comp, total = comps.get(name, {}), 0.0
+    for op in comp.values():
+      if op.op == "while":
+        trips = _trip_count(op, comp, comps)
+        total += trips * sum(walk(c, traffic) for c in _called(op, "body")
+                             + _called(op, "condition"))
+      elif op.op == "conditional":  # the most expensive branch
+        total += max([walk(c, traffic) for k in ("branch_computations", "true_computation",
+                                                 "false_computation") for c in _called(op, k)])
+      elif op.op == "call" or (op.op.startswith("async") or op.op.endswith("-start")) and \
+          _called(op, "calls"):
+        total += sum(walk(c, traffic) for c in _called(op, "calls") + _called(op, "to_apply"))
+      elif traffic:
+        if op.op == "fusion":
+          total += sum(_fusion_bytes(op, comp, comps.get(c, {})) for c in _called(op, "calls"))
+        elif op.op not in _FREE:
+          total += _nbytes(op.shape) + sum(_nbytes(comp[a].shape) for a in op.args if a in comp)
+      elif op.op in ("dot", "convolution"):
+        total += _matmul_flops(op, comp)
+      elif op.op == "fusion":
+        total += sum(walk(c, traffic) for c in _called(op, "calls"))
+    memo[(name, traffic)] = total
+    return total
+
+  return walk(entry, False), walk(entry, True)
+
+
+# ------------------------------------------------------------------------ abstract inputs
+
+def _vocab(cfg: Config) -> int | None:
+  m = cfg.model  # as `build` sizes the tiny model: the byte or the embedded tokenizer
+  return max(m.tiny_vocab, 259 if m.tokenizer == "bytes" else 262_144) if m.name == "tiny" else None
+
+
+def abstract_model(cfg: Config, mesh: Mesh):
+  """(graphdef, lora, base): the model with LoRA applied, as ShapeDtypeStructs with the
+  NamedShardings `build` would give them. Nothing is allocated."""
+  import qwix
+  from flax import nnx
+
+  from reasoner import lora as lora_lib
+  from reasoner.models import gemma
+
+  spec = gemma.model_spec(cfg.model, _vocab(cfg))
+  provider = qwix.LoraProvider(module_path=cfg.lora.module_path, rank=cfg.lora.rank,
+                               alpha=cfg.lora.alpha)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+
+  def create():  # lora.apply_lora's call; it enters set_mesh itself, not allowed in a trace
+    model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))
+    return qwix.apply_lora_to_model(model, provider, tokens, tokens, None,
+                                    jnp.ones((1, 1, 1), bool), methods=("hidden_states",),
+                                    rngs=nnx.Rngs(cfg.train.seed))
+
+  with jax.set_mesh(mesh):
+    graphdef, lora, base = lora_lib.split(nnx.eval_shape(create))
+  return graphdef, _placed(lora, mesh), _placed(base, mesh)
+
+
+def _placed(state, mesh: Mesh):
+  from flax import nnx
+
+  shardings = nnx.get_named_sharding(state, mesh)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                      shardings)
+
+
+def _sds(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  """A batch array placed as `mesh.put_batch` places it (rows over 'fsdp' when they divide)."""
+  split = shape[0] % mesh.shape["fsdp"] == 0
+  sharding = mesh_lib.batch_sharding(mesh, len(shape)) if split else mesh_lib.replicated(mesh)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def abstract_batch(cfg: Config, mesh: Mesh, prompts: int):
+  from reasoner.trainer import Batch
+
+  p, n = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+  r = prompts * cfg.rollout.num_generations
+  s = lambda shape, dtype: _sds(shape, dtype, mesh)
+  return Batch(s((prompts, p), jnp.int32), s((prompts, p), jnp.bool_), s((r, n), jnp.int32),
+               s((r, n), jnp.bool_), s((r,), jnp.float32), s((r, n), jnp.float32),
+               s((r, n), jnp.float32))
+
+
+def abstract_state(trainer, lora, mesh: Mesh):
+  """TrainState of ShapeDtypeStructs: optimizer moments sharded like the LoRA weights."""
+  from reasoner.trainer import TrainState
+
+  rep = mesh_lib.replicated(mesh)
+  lora_def = jax.tree.structure(lora)
+
+  def place(sub):
+    if jax.tree.structure(sub) == lora_def:
+      return jax.tree.map(lambda a, l: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=l.sharding), sub, lora)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), sub)
+
+  opt = jax.tree.map(place, jax.eval_shape(trainer.tx.init, lora),
+                     is_leaf=lambda x: jax.tree.structure(x) == lora_def)
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
+                    opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+
+
+# ------------------------------------------------------------------------------- compiling
+
+def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: int,
+                 chip: Chip) -> StepPlan:
+  """Lowers and compiles `fn` (a jax.jit) on abstract args; out of memory -> fits=False."""
+  try:
+    compiled = fn.lower(*args, **kwargs).compile()
+  except Exception as e:  # XlaRuntimeError; its type moves between jax versions
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" not in msg and "memory" not in msg.lower():
+      raise
+    m = re.search(r"(?:required[^(]*\(|Used )([\d.]+)([KMGT])", msg)
+    need = int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else 0
+    return StepPlan(what, prompts, rows, fits=False, needed=need,
+                    note=msg.strip().splitlines()[0][:200])
+  mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  flops, traffic = hlo_cost(compiled.as_text())
+  out = StepPlan(what, prompts, rows, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                 mem.temp_size_in_bytes, mem.alias_size_in_bytes, flops,
+                 float(cost.get("flops", 0.0)), traffic)
+  out.fits = out.total <= chip.hbm
+  return out
+
+
+def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
+               loss: Callable | None = None) -> StepPlan:
+  """The real train step for `prompts` x G rows; `loss(trainer)` swaps in another step
+  function of the same signature (the benchmark's dense reference)."""
+  from reasoner.trainer import Trainer
+
+  graphdef, lora, base = model
+  trainer = Trainer(graphdef, base, cfg)
+  step = jax.jit(loss(trainer) if loss else trainer._train_step, donate_argnums=(1,))
+  args = (base, abstract_state(trainer, lora, mesh), abstract_batch(cfg, mesh, prompts))
+  return compile_plan(step, args, {}, "train", prompts,
+                      prompts * cfg.rollout.num_generations, chip)
+
+
+def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
+  """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
+  from reasoner.sampler import Sampler, SamplingConfig
+
+  graphdef, lora, base = model
+  r = cfg.rollout
+  sampler = Sampler(graphdef, None, mesh, cfg.data.max_prompt_tokens)
+  scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                        top_k=r.top_k, top_p=r.top_p, stop_ids=(1,))
+  p = cfg.data.max_prompt_tokens
+  args = ((lora, base), _sds((prompts, p), jnp.int32, mesh), _sds((prompts, p), jnp.bool_, mesh),
+          jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(mesh)))
+  return compile_plan(sampler._generate, args, {"cfg": scfg, "num_generations": r.num_generations},
+                      "rollout", prompts, prompts * r.num_generations, chip)
+
+
+# ---------------------------------------------------------------------------- the search
+
+def largest_fitting(measure: Callable[[int], StepPlan], start: int, step: int, limit: int,
+                    cap: int, budget: int = 6) -> dict[int, StepPlan]:
+  """Largest multiple of `step` (<= cap) whose plan fits, assuming memory grows with it.
+
+  Bisection between the largest fitting and smallest failing sizes, where each next guess is
+  the linear extrapolation of the last two fitting sizes' memory to `limit` (memory is close to
+  linear in the batch), so a search usually takes 3-4 compiles. Returns every plan tried.
+  """
+  seen: dict[int, StepPlan] = {}
+  x = start
+  while len(seen) < budget and x not in seen:
+    seen[x] = measure(x)
+    fit = sorted(u for u, r in seen.items() if r.fits)
+    lo = fit[-1] if fit else 0
+    hi = min([u for u, r in seen.items() if not r.fits and u > lo], default=cap + step)
+    if hi - lo <= step:
+      break
+    if len(fit) >= 2 and seen[fit[-1]].total > seen[fit[-2]].total:
+      a, b = seen[fit[-2]], seen[fit[-1]]
+      slope = (b.total - a.total) / (fit[-1] - fit[-2])
+      guess = fit[-1] + (limit - b.total) / slope
+    else:
+      guess = 2 * lo if fit else hi / 2
+    x = min(max(int(guess) // step * step, lo + step), hi - step)
+  return seen
+
+
+# -------------------------------------------------------------------------------- analytic
+
+def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
+                  chip: Chip) -> StepPlan:
+  """A rough per-chip estimate from the model's shapes, used when nothing can be compiled:
+  sharded weights, replicated LoRA + AdamW, saved activations by remat setting, the chunked
+  head's blocks, the KV cache; FLOPs 2 x weights x tokens (x2 backward, x1 more with remat)."""
+  from reasoner import heads
+  from reasoner.models import gemma
+
+  t = gemma.model_spec(cfg.model, _vocab(cfg)).tunix_config
+  d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
+  nh, kh = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+  item = jnp.dtype(cfg.model.dtype).itemsize
+  per_layer = d * (2 * nh + 2 * kh) + 3 * d * f
+  weights = layers * per_layer + v * d
+  lora = layers * cfg.lora.rank * (6 * d + 2 * nh + 2 * kh + 3 * f)
+  g, p, n = cfg.rollout.num_generations, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+  rows, chips = prompts * g, fsdp * tp
+  tokens = (prompts * p + rows * n) / fsdp  # the prompt is computed once per group
+  out = StepPlan(what, prompts, rows, arguments=int(weights * item / chips),
+                 note="analytic estimate (nothing compiled)")
+  if what == "train":
+    act = {"none": item * (8 * d + 3 * f + 2 * nh + 2 * kh) + 8 * t.num_heads * (p + n),
+           "block": 2 * d * item, "decoder": d * item}[cfg.model.remat]
+    chunk = heads.auto_chunk(v, tp) if cfg.train.head_chunk is None else cfg.train.head_chunk
+    out.arguments += 16 * lora
+    out.temporaries = int(tokens * (layers * act + d * item) + 3 * chunk * v / tp * 4)
+    passes = 2 + (cfg.model.remat != "none")  # forward, activation gradients, remat forward
+    out.flops = 2 * (passes * layers * per_layer * tokens + 2 * v * d * rows * n / fsdp) / tp
+  else:
+    out.temporaries = int(layers * 2 * rows / fsdp * (p + n) * kh * item
+                          + rows / fsdp * v * 8 + prompts / fsdp * p * (p + n) * t.num_heads * 4)
+    out.flops = 2 * (prompts * p * layers * per_layer + rows * n * weights) / chips
+  out.bytes = out.arguments * (1 + (what == "rollout") * n)
+  out.fits = out.total <= chip.hbm
+  return out
+
+
+# ---------------------------------------------------------------------------------- a plan
+
+def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip, str]:
+  """(devices to compile for or None, the chip, how the figures are obtained)."""
+  if topology == "cpu":
+    return ((jax.devices() if compile else None), CHIPS["v5e"],
+            "compiled for this host's CPU devices (XLA:CPU figures, v5e limits)" if compile
+            else "analytic estimate (--analytic), v5e limits")
+  chip = CHIPS.get(topology.split(":")[0])
+  if chip is None or not re.fullmatch(r"\w+:\d+(x\d+)*", topology):
+    raise ConfigError(f"--topology {topology!r}: expected '<chip>:<shape>' with a chip among "
+                     f"{', '.join(CHIPS)}, e.g. v5e:2x4, or 'cpu'")
+  if not compile:
+    return None, chip, "analytic estimate (--analytic)"
+  from jax.experimental import topologies
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only; others may hold it
+  try:
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+  except Exception as e:  # no libtpu, or an unknown shape
+    return None, chip, (f"analytic estimate: could not compile for {topology} ({str(e)[:80]}); "
+                        "install the tpu extra (pip install '.[tpu]') to compile")
+  return devices, chip, f"compiled ahead of time for {topology} (libtpu)"
+
+
+def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: bool = False,
+         log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+  """Per-chip plans of the configured train and rollout steps, and (search) the largest train
+  batch and rollout batch (prompts, each x G rows) that fit the chip's HBM."""
+  devices, chip, method = target(topology, compile=not analytic)
+  shape = topology.partition(":")[2]
+  n_dev = (len(devices) if devices is not None else
+           math.prod(int(x) for x in shape.split("x")) if shape else len(jax.devices()))
+  fsdp, tp = mesh_lib.mesh_shape(cfg.mesh, n_dev)
+  check_mesh(cfg, fsdp)
+  g = cfg.rollout.num_generations
+  if devices is None:
+    measure = {w: (lambda u, w=w: analytic_plan(cfg, fsdp, tp, w, u, chip))
+               for w in ("train", "rollout")}
+  else:
+    mesh = Mesh(np.asarray(devices).reshape(fsdp, tp), mesh_lib.AXES)
+    model = abstract_model(cfg, mesh)
+    measure = {"train": lambda u: train_plan(cfg, mesh, model, u, chip),
+               "rollout": lambda u: rollout_plan(cfg, mesh, model, u, chip)}
+  steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
+  start = {w: -(-cfg.train.batch_size // s) * s for w, s in steps.items()}
+  report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method,
+                            "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {}}
+
+  def logged(what: str, u: int) -> StepPlan:
+    log(f"  {what} step, {u} prompts x {g} ...")
+    return measure[what](u)
+
+  for what in ("train", "rollout"):
+    report[what] = logged(what, start[what])
+    if search:
+      cap = max(start[what], 8192 // g)
+      tried = largest_fitting(lambda u, w=what: report[w] if u == start[w] else logged(w, u),
+                              start[what], steps[what], chip.hbm, cap)
+      report["tried"][what] = [tried[u] for u in sorted(tried)]
+      fit = [u for u, r in tried.items() if r.fits]
+      report["largest"][what] = tried[max(fit)] if fit else None
+  return report
+
+
+def _row(r: StepPlan, chip: Chip) -> str:
+  head = f"  {r.what:8s} {r.prompts:5d} x G = {r.rows:5d} rows:"
+  if not r.fits and not r.total:
+    return f"{head} does not fit: {r.note}"
+  gib = lambda b: f"{b / GiB:6.2f}"
+  return (f"{head} args {gib(r.arguments)}  temp {gib(r.temporaries)}  out "
+          f"{gib(r.outputs - r.aliased)}  total {gib(r.total)} GiB of {chip.hbm / GiB:.0f} "
+          f"{'fits' if r.fits else 'DOES NOT FIT'};  {r.flops / 1e12:8.2f} TFLOP, est. "
+          f"{r.seconds(chip) * 1e3:8.1f} ms")
+
+
+def format_report(report: dict[str, Any]) -> str:
+  chip, m = report["chip"], report["mesh"]
+  lines = [f"plan for {report['topology']} ({chip.name}: {chip.hbm / GiB:.0f} GiB HBM, "
+           f"{chip.flops / 1e12:.0f} TFLOP/s, {chip.bandwidth / 1e9:.0f} GB/s), mesh fsdp "
+           f"{m['fsdp']} x tp {m['tp']}; {report['method']}",
+           "per chip; FLOPs count every loop body once per trip; time = roofline lower bound",
+           "configured:", _row(report["train"], chip), _row(report["rollout"], chip)]
+  for what, tried in report["tried"].items():
+    best = report["largest"].get(what)
+    lines += [f"search ({what}):", *(_row(r, chip) for r in tried),
+              f"  largest {what} batch that fits: "
+              + (f"{best.prompts} prompts x G = {best.rows} rows" if best else "none")]
+  return "\n".join(lines)

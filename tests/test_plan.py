@@ -1,0 +1,126 @@
+"""The planner: loop bodies counted once per trip, the search, and plans of the tiny config."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import ROOT, tiny_config
+from reasoner import plan
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def test_scan_flops_are_counted_once_per_trip():
+  def f(x, w):
+    def body(c, xi):
+      return c + jnp.sum(jnp.tanh(xi @ w)), None
+    return jax.lax.scan(body, 0.0, x)[0]
+
+  k, m, n, d = 12, 16, 32, 64
+  compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((k, m, n), jnp.float32),
+                              jax.ShapeDtypeStruct((n, d), jnp.float32)).compile()
+  flops, traffic = plan.hlo_cost(compiled.as_text())
+  assert flops == 2 * m * n * d * k
+  xla = compiled.cost_analysis()
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  assert xla["flops"] < 2 * 2 * m * n * d  # XLA: the body once
+  assert traffic >= k * (m * n + n * d) * 4  # every trip reads its slice and the weights
+
+
+STEP2 = """
+%cond (p: (u32[], f32[4,8])) -> pred[] {
+  %p = (u32[], f32[4,8]{1,0}) parameter(0)
+  %n = u32[] constant(8)
+  %i = u32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (u32[], f32[4,8])) -> (u32[], f32[4,8]) {
+  %p.1 = (u32[], f32[4,8]{1,0}) parameter(0)
+  %i.1 = u32[] get-tuple-element(%p.1), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p.1), index=1
+  %w = f32[8,8]{1,0} constant({...})
+  %d = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %two = u32[] constant(2)
+  %next = u32[] add(%i.1, %two)
+  ROOT %t = (u32[], f32[4,8]{1,0}) tuple(%next, %d)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %zero = u32[] constant(0)
+  %init = (u32[], f32[4,8]{1,0}) tuple(%zero, %a)
+  %loop = (u32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_trip_count_from_the_induction_variable():
+  """A loop XLA left without known_trip_count (TPU's windowed einsums step by 2): i = 0, 2,
+  4, 6 -> 4 trips, not the bound 8."""
+  assert plan.hlo_cost(STEP2)[0] == 4 * 2 * 4 * 8 * 8
+
+
+def test_search_finds_the_largest_fitting_batch_in_few_compiles():
+  calls = []
+
+  def measure(u):  # memory 1 + 0.3 u GiB, limit 16 GiB -> 50 fits, 51 does not
+    calls.append(u)
+    total = int((1 + 0.3 * u) * plan.GiB)
+    return plan.StepPlan("train", u, u, temporaries=total, fits=total <= 16 * plan.GiB)
+
+  tried = plan.largest_fitting(measure, 4, 1, 16 * plan.GiB, cap=4096, budget=8)
+  assert max(u for u, r in tried.items() if r.fits) == 50
+  assert 51 in tried and not tried[51].fits and len(calls) <= 5
+
+
+def test_analytic_plan_of_the_tiny_config():
+  cfg = tiny_config()
+  report = plan.plan(cfg, "v5e:2x4", search=True, analytic=True)
+  assert "analytic" in report["method"]
+  for what in ("train", "rollout"):
+    r = report[what]
+    assert r.total > 0 and r.flops > 0 and r.fits
+    assert report["largest"][what].prompts >= r.prompts
+  assert "analytic" in plan.format_report(report)
+
+
+def test_compiled_plan_of_the_tiny_config_on_this_host():
+  report = plan.plan(tiny_config("data.max_prompt_tokens=64"), "cpu", search=False)
+  train, rollout = report["train"], report["rollout"]
+  assert train.rows == 2 * 4 and train.temporaries > 0 and train.arguments > 0
+  assert 0.5 < train.flops / train.xla_flops < 2  # no long loops: matmuls ~ XLA's count
+  assert rollout.flops > 1.2 * rollout.xla_flops  # 8 decode steps, XLA counts one
+
+
+@pytest.mark.parametrize("remat", ["block", "decoder"])
+def test_train_step_compiles_with_each_remat(remat):
+  """Tunix's remat is nnx.remat, which the train step's gradient must be an nnx transform for."""
+  import numpy as np
+  from jax.sharding import Mesh
+
+  cfg = tiny_config("data.max_prompt_tokens=64", f"model.remat={remat}")
+  mesh = Mesh(np.asarray(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
+  r = plan.train_plan(cfg, mesh, plan.abstract_model(cfg, mesh), 2, plan.CHIPS["v5e"])
+  assert r.fits and r.temporaries > 0 and r.flops > 0
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the tpu extra)")
+def test_compiled_plan_of_the_tiny_config_for_v5e():
+  report = plan.plan(tiny_config("data.max_prompt_tokens=64"), "v5e:2x4", search=False)
+  assert "libtpu" in report["method"]
+  assert report["train"].fits and 0 < report["train"].total < plan.GiB
+  assert report["rollout"].flops > 1.2 * report["rollout"].xla_flops  # 8 decode steps
+
+
+def test_plan_command_line(capsys):
+  from reasoner import cli
+
+  tiny = str(ROOT / "configs" / "tiny.yaml")
+  assert cli.main(["plan", "--config", tiny, "--analytic", "--no-search"]) == 0
+  out = capsys.readouterr().out
+  assert "per chip" in out and "train" in out and "rollout" in out
+  assert cli.main(["plan", "--config", tiny, "--topology", "v9x"]) == 2
