@@ -6,8 +6,9 @@
     G = 8, fsdp = 8 on TPU v5e:2x4 (compiled ahead of time with libtpu, `reasoner.plan`), for
     each remat setting and global batch (sequences), of
       ours:  `Trainer._train_step` (shared-prompt forward, `heads.fused_token_loss`);
-      dense: a Tunix-style step: each row's whole sequence through the model, full
-             [rows, L - 1, V] float32 logits, log-softmax, pick the completion tokens.
+      dense: Tunix 0.1.7's step (`dense_step`): each row's whole sequence through the
+             model, [rows, L - 1, V] logits in bf16, `selective_log_softmax` (float32
+             log-sum-exp), then the same GRPO loss and optimizer.
     Batches after the first that does not fit (per step and remat) are not compiled: memory
     grows with the batch. FLOPs ratios compare with the no-remat step at the same batch, taken
     per row from the largest batch the no-remat step fits when it does not fit itself.
@@ -47,33 +48,37 @@ def config(remat: str, prompts: int):
 
 
 def dense_step(trainer):
-  """The Tunix-style GRPO step: full sequences, full float32 logits, dense log-softmax."""
+  """Tunix 0.1.7's GRPO step: each row's whole sequence through the model, logits at every
+  position in the model's dtype, then `tunix.rl.common.selective_log_softmax` (the target logit
+  and a float32 log-sum-exp over the vocabulary)."""
+  import optax
   from flax import nnx
+  from tunix.rl.common import selective_log_softmax
 
-  from reasoner import grpo, heads
+  from reasoner import grpo
   from reasoner.sampler import causal_mask, positions_from_mask
 
   g = trainer.cfg.grpo
 
   def step(base, state, batch):
-    def loss_fn(lora):
-      model = nnx.merge(trainer.graphdef, lora, base)
+    def loss_fn(model):
       reps = batch.completion.shape[0] // batch.prompt.shape[0]
       tokens = jnp.concatenate([jnp.repeat(batch.prompt, reps, 0), batch.completion], 1)
       valid = jnp.concatenate([jnp.repeat(batch.prompt_valid, reps, 0),
                                batch.completion_mask], 1)
       h, _ = model.hidden_states(tokens[:, :-1], positions_from_mask(valid[:, :-1]), None,
                                  causal_mask(valid[:, :-1]))
-      z = jax.nn.log_softmax(heads.logits(h, model.embedding(), model.logit_softcap), -1)
+      z = jnp.dot(h, model.embedding().T)  # Tunix's Embedder.decode
+      if model.logit_softcap is not None:
+        z = jnp.tanh(z / model.logit_softcap) * model.logit_softcap
       n = batch.completion.shape[1]
-      logp = jnp.take_along_axis(z[:, -n:], batch.completion[..., None], -1)[..., 0]
+      logp = selective_log_softmax(z[:, -n:], batch.completion)
       return grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
                               batch.completion_mask, beta=g.beta, loss_agg=g.loss_agg, **EPS)
 
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.lora)
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
+    (loss, aux), grads = grad_fn(nnx.merge(trainer.graphdef, state.lora, base))
     updates, opt_state = trainer.tx.update(grads, state.opt_state, state.lora)
-    import optax
-
     lora = optax.apply_updates(state.lora, updates)
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), {"loss": loss,
                                                                                  **aux}
@@ -160,13 +165,13 @@ def head_times() -> dict:
 
 def scan_count_check() -> float:
   """Planner FLOPs of a 16-step scan over one matmul / (16 x that matmul's FLOPs): 1.0."""
-  from reasoner import plan
+  from reasoner import hlo
 
   k, m, n, d = 16, 64, 128, 256
   f = lambda x, w: jax.lax.scan(lambda c, xi: (c + jnp.sum(xi @ w), None), 0.0, x)[0]
   compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((k, m, n), jnp.float32),
                               jax.ShapeDtypeStruct((n, d), jnp.float32)).compile()
-  return plan.hlo_cost(compiled.as_text())[0] / (k * 2 * m * n * d)
+  return hlo.hlo_cost(compiled.as_text())[0] / (k * 2 * m * n * d)
 
 
 def summarise(rows: list[dict], hbm_gib: float) -> dict:

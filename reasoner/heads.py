@@ -98,8 +98,8 @@ def plan_layout(rows: int, positions: int, vocab: int, *, mesh: Mesh | None = No
   """Chooses the chunking for [rows, positions] tokens from the shapes and the mesh.
 
   Rows split over 'fsdp' when they divide evenly (as `mesh.put_batch` places them); `chunk`
-  (tokens per shard per step) defaults to `auto_chunk`, then is balanced so that the last step
-  is nearly full (padding under `chunks` tokens per shard, or under 8 steps' sublane rounding).
+  (tokens per shard per step) defaults to `auto_chunk`, then is balanced over the steps so the
+  padding is under one token per step (plus under 8 per step when rounded to sublanes).
   """
   fsdp = int(mesh.shape.get("fsdp", 1)) if mesh is not None else 1
   tp = int(mesh.shape.get("tp", 1)) if mesh is not None else 1
