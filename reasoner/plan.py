@@ -75,6 +75,7 @@ class StepPlan:
   fits: bool = True
   note: str = ""
   needed: int = 0  # bytes XLA reported needing when the compile ran out of HBM (a lower bound)
+  kv_cache: int = 0  # rollout: the sampler's own estimate of its KV cache (`kv_cache_bytes`)
 
   @property
   def total(self) -> int:
@@ -210,8 +211,20 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
   p = cfg.data.max_prompt_tokens
   args = ((lora, base), _sds((prompts, p), jnp.int32, mesh), _sds((prompts, p), jnp.bool_, mesh),
           jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(mesh)))
-  return compile_plan(sampler._generate, args, {"cfg": scfg, "num_generations": r.num_generations},
-                      "rollout", prompts, prompts * r.num_generations, chip)
+  out = compile_plan(sampler._generate, args, {"cfg": scfg, "num_generations": r.num_generations},
+                     "rollout", prompts, prompts * r.num_generations, chip)
+  out.kv_cache = kv_cache(cfg, mesh, prompts * r.num_generations)
+  return out
+
+
+def kv_cache(cfg: Config, mesh: Mesh, rows: int) -> int:
+  """Per-chip KV cache bytes of a rollout of `rows` sequences, as the sampler lays it out."""
+  from reasoner.models import gemma
+  from reasoner.sampler import kv_cache_bytes
+
+  t = gemma.model_spec(cfg.model, _vocab(cfg)).tunix_config
+  size = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+  return kv_cache_bytes(t, rows, size, cfg.model.dtype, mesh)
 
 
 # ---------------------------------------------------------------------------- the search
@@ -359,7 +372,8 @@ def _row(r: StepPlan, chip: Chip) -> str:
   return (f"{head} args {gib(r.arguments)}  temp {gib(r.temporaries)}  out "
           f"{gib(r.outputs - r.aliased)}  total {gib(r.total)} GiB of {chip.hbm / GiB:.0f} "
           f"{'fits' if r.fits else 'DOES NOT FIT'};  {r.flops / 1e12:8.2f} TFLOP, est. "
-          f"{r.seconds(chip) * 1e3:8.1f} ms")
+          f"{r.seconds(chip) * 1e3:8.1f} ms"
+          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it" if r.kv_cache else ""))
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -94,6 +94,9 @@ def test_compiled_plan_of_the_tiny_config_on_this_host():
   assert train.rows == 2 * 4 and train.temporaries > 0 and train.arguments > 0
   assert 0.5 < train.flops / train.xla_flops < 2  # no long loops: matmuls ~ XLA's count
   assert rollout.flops > 1.2 * rollout.xla_flops  # 8 decode steps, XLA counts one
+  # The sampler's KV-cache estimate is printed beside the compiled figure and fits inside it.
+  assert 0 < rollout.kv_cache <= rollout.temporaries
+  assert "KV cache" in plan.format_report(report)
 
 
 @pytest.mark.parametrize("remat", ["block", "decoder"])
