@@ -132,6 +132,13 @@ def _stop_table(cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
   return table, valid
 
 
+def _stop_hit(tok, tail, stop_ids, table, table_valid) -> jax.Array:
+  """[rows] bool: the token is a stop id, or the last tokens (`tail`) end a stop sequence."""
+  seq_hit = jnp.all((tail[:, None, :] == table[None]) | ~table_valid[None], axis=-1)
+  seq_hit = jnp.any(seq_hit & jnp.any(table_valid, axis=-1)[None], axis=-1)
+  return jnp.any(tok[:, None] == stop_ids[None], axis=-1) | seq_hit
+
+
 class _Loop(NamedTuple):
   step: jax.Array
   tokens: jax.Array
@@ -183,9 +190,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
     live = ~s.done
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
-    seq_hit = jnp.all((tail[:, None, :] == table[None]) | ~table_valid[None], axis=-1)
-    seq_hit = jnp.any(seq_hit & jnp.any(table_valid, axis=-1)[None], axis=-1)
-    hit = jnp.any(tok[:, None] == stop_ids[None], axis=-1) | seq_hit
+    hit = _stop_hit(tok, tail, stop_ids, table, table_valid)
     kv_mask = s.kv_mask.at[:, p + s.step].set(True)
     h, cache = step_model.hidden_states(tok[:, None], (prompt_len + s.step)[:, None], s.cache,
                                    kv_mask[:, None, :])
