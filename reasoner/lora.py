@@ -15,14 +15,20 @@ from jax.sharding import Mesh
 from reasoner.config import LoraConfig
 
 
-def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx.Module:
-  """Adds LoRA A/B (nnx.LoRAParam) to every matching projection; B starts at zero."""
+def with_lora(model: nnx.Module, cfg: LoraConfig, seed: int) -> nnx.Module:
+  """qwix's LoRA on `hidden_states` (traced on a one-token input), without entering a mesh:
+  callable inside `nnx.eval_shape` (the planner), where `jax.set_mesh` is not allowed."""
   provider = qwix.LoraProvider(module_path=cfg.module_path, rank=cfg.rank, alpha=cfg.alpha)
   tokens = jnp.zeros((1, 1), jnp.int32)
+  return qwix.apply_lora_to_model(model, provider, tokens, tokens, None,
+                                  jnp.ones((1, 1, 1), bool), methods=("hidden_states",),
+                                  rngs=nnx.Rngs(seed))
+
+
+def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx.Module:
+  """Adds LoRA A/B (nnx.LoRAParam) to every matching projection; B starts at zero."""
   with jax.set_mesh(mesh):
-    lora_model = qwix.apply_lora_to_model(
-        model, provider, tokens, tokens, None, jnp.ones((1, 1, 1), bool),
-        methods=("hidden_states",), rngs=nnx.Rngs(seed))
+    lora_model = with_lora(model, cfg, seed)
   n = len(jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
   if n == 0:
     raise ValueError(f"lora.module_path {cfg.module_path!r} matched no projection of the model")

@@ -52,15 +52,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
-  """Places a host batch (the same on every process) with its rows split over 'fsdp'.
+def batch_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Rows split over 'fsdp' where they divide evenly; otherwise (a few prompts shared by their
+  G completions) replicated."""
+  split = shape[0] % mesh.shape["fsdp"] == 0
+  return batch_sharding(mesh, len(shape)) if split else replicated(mesh)
 
-  A batch with fewer rows than 'fsdp' divides (a few prompts shared by their G completions)
-  is replicated instead; it is built from each host's copy, never device_put.
-  """
-  split = host.shape[0] % mesh.shape["fsdp"] == 0
-  sharding = batch_sharding(mesh, host.ndim) if split else replicated(mesh)
-  return array_from_host(host.shape, sharding, lambda idx: host[idx])
+
+def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
+  """Places a host batch (the same on every process) as `batch_placement` says, built from
+  each host's copy, never device_put."""
+  return array_from_host(host.shape, batch_placement(mesh, host.shape), lambda idx: host[idx])
 
 
 def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:

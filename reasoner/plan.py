@@ -93,22 +93,16 @@ def _vocab(cfg: Config) -> int | None:
 def abstract_model(cfg: Config, mesh: Mesh):
   """(graphdef, lora, base): the model with LoRA applied, as ShapeDtypeStructs with the
   NamedShardings `build` would give them. Nothing is allocated."""
-  import qwix
   from flax import nnx
 
   from reasoner import lora as lora_lib
   from reasoner.models import gemma
 
   spec = gemma.model_spec(cfg.model, _vocab(cfg))
-  provider = qwix.LoraProvider(module_path=cfg.lora.module_path, rank=cfg.lora.rank,
-                               alpha=cfg.lora.alpha)
-  tokens = jnp.zeros((1, 1), jnp.int32)
 
-  def create():  # lora.apply_lora's call; it enters set_mesh itself, not allowed in a trace
+  def create():
     model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))
-    return qwix.apply_lora_to_model(model, provider, tokens, tokens, None,
-                                    jnp.ones((1, 1, 1), bool), methods=("hidden_states",),
-                                    rngs=nnx.Rngs(cfg.train.seed))
+    return lora_lib.with_lora(model, cfg.lora, cfg.train.seed)
 
   with jax.set_mesh(mesh):
     graphdef, lora, base = lora_lib.split(nnx.eval_shape(create))
@@ -124,10 +118,8 @@ def _placed(state, mesh: Mesh):
 
 
 def _sds(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
-  """A batch array placed as `mesh.put_batch` places it (rows over 'fsdp' when they divide)."""
-  split = shape[0] % mesh.shape["fsdp"] == 0
-  sharding = mesh_lib.batch_sharding(mesh, len(shape)) if split else mesh_lib.replicated(mesh)
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  """A batch array placed as `mesh.put_batch` places it."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_placement(mesh, shape))
 
 
 def abstract_batch(cfg: Config, mesh: Mesh, prompts: int):
