@@ -248,6 +248,12 @@ class TrainConfig:
   # Tokens per chip in each step of the vocabulary head's scan (reasoner/heads.py); null: as
   # many as keep one float32 [chunk, vocab] logits block at 256 MiB (256 for Gemma's 262,144).
   head_chunk: int | None = None
+  # Prompts per micro-batch of the train step: the batch's gradient is accumulated over
+  # batch_size / micro_batch passes inside the one jitted step (exactly the full batch's
+  # gradient; memory of one micro-batch). null: the whole batch in one pass. `reasoner plan`
+  # finds the largest that fits a chip. Best with micro_batch x G a multiple of mesh.fsdp: a
+  # micro-batch that does not split over the chips is computed whole on each.
+  micro_batch: int | None = None
 
   def __post_init__(self):
     for f in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
@@ -255,6 +261,10 @@ class TrainConfig:
         _fail(f"train.{f}", getattr(self, f), "a positive integer")
     if self.head_chunk is not None and self.head_chunk < 1:
       _fail("train.head_chunk", self.head_chunk, "a positive integer or null (automatic)")
+    if self.micro_batch is not None and (self.micro_batch < 1
+                                         or self.batch_size % self.micro_batch):
+      _fail("train.micro_batch", self.micro_batch,
+            f"a divisor of train.batch_size ({self.batch_size}) or null (the whole batch)")
     if self.eval_every < 0:
       _fail("train.eval_every", self.eval_every, "a non-negative integer")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):

@@ -59,6 +59,20 @@ def batch_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
   return batch_sharding(mesh, len(shape)) if split else replicated(mesh)
 
 
+def activation_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """[B, T, D] activations: rows over 'fsdp' where they divide evenly, the model dimension over
+  'tp' where it divides (Tunix's act_btd for training)."""
+  rows = "fsdp" if shape[0] % mesh.shape["fsdp"] == 0 else None
+  model = "tp" if mesh.shape["tp"] > 1 and shape[-1] % mesh.shape["tp"] == 0 else None
+  return NamedSharding(mesh, P(rows, *([None] * (len(shape) - 2)), model))
+
+
+def micro_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Micro-batches stacked on a leading axis, [K, rows, ...]: each placed as `batch_placement`
+  places a batch of its own shape."""
+  return NamedSharding(mesh, P(None, *batch_placement(mesh, shape[1:]).spec))
+
+
 def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
   """Places a host batch (the same on every process) as `batch_placement` says, built from
   each host's copy, never device_put."""

@@ -76,6 +76,7 @@ class StepPlan:
   note: str = ""
   needed: int = 0  # bytes XLA reported needing when the compile ran out of HBM (a lower bound)
   kv_cache: int = 0  # rollout: the sampler's own estimate of its KV cache (`kv_cache_bytes`)
+  micro: int = 0  # train: prompts per micro-batch (= prompts: one pass)
 
   @property
   def total(self) -> int:
@@ -178,17 +179,22 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
 
 
 def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
-               loss: Callable | None = None) -> StepPlan:
-  """The real train step for `prompts` x G rows; `loss(trainer)` swaps in another step
-  function of the same signature (the benchmark's dense reference)."""
+               loss: Callable | None = None, micro: int | None = None) -> StepPlan:
+  """The real train step for `prompts` x G rows, in micro-batches of `micro` prompts (None:
+  one pass); `loss(trainer)` swaps in another step function of the same signature (the
+  benchmark's dense reference)."""
   from reasoner.trainer import Trainer
 
   graphdef, lora, base = model
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=prompts,
+                                                           micro_batch=micro))
   trainer = Trainer(graphdef, base, cfg)
   step = jax.jit(loss(trainer) if loss else trainer._train_step, donate_argnums=(1,))
   args = (base, abstract_state(trainer, lora, mesh), abstract_batch(cfg, mesh, prompts))
-  return compile_plan(step, args, {}, "train", prompts,
-                      prompts * cfg.rollout.num_generations, chip)
+  out = compile_plan(step, args, {}, "train", prompts, prompts * cfg.rollout.num_generations,
+                     chip)
+  out.micro = micro or prompts
+  return out
 
 
 def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
@@ -251,7 +257,7 @@ def largest_fitting(measure: Callable[[int], StepPlan], start: int, step: int, l
 # -------------------------------------------------------------------------------- analytic
 
 def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
-                  chip: Chip) -> StepPlan:
+                  chip: Chip, micro: int | None = None) -> StepPlan:
   """A rough per-chip estimate from the model's shapes, used when nothing can be compiled:
   sharded weights, replicated LoRA + AdamW, saved activations by remat setting, the chunked
   head's blocks, the KV cache; FLOPs 2 x weights x tokens (x2 backward, x1 more with remat)."""
@@ -269,13 +275,14 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   rows, chips = prompts * g, fsdp * tp
   tokens = (prompts * p + rows * n) / fsdp  # the prompt is computed once per group
   out = StepPlan(what, prompts, rows, arguments=int(weights * item / chips),
-                 note="analytic estimate (nothing compiled)")
+                 note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
     act = {"none": item * (8 * d + 3 * f + 2 * nh + 2 * kh) + 8 * t.num_heads * (p + n),
            "block": 2 * d * item, "decoder": d * item}[cfg.model.remat]
     chunk = heads.auto_chunk(v, tp) if cfg.train.head_chunk is None else cfg.train.head_chunk
     out.arguments += 16 * lora
-    out.temporaries = int(tokens * (layers * act + d * item) + 3 * chunk * v / tp * 4)
+    live = tokens * out.micro / prompts  # one micro-batch's activations at a time
+    out.temporaries = int(live * (layers * act + d * item) + 3 * chunk * v / tp * 4)
     passes = 2 + (cfg.model.remat != "none")  # forward, activation gradients, remat forward
     out.flops = 2 * (passes * layers * per_layer * tokens + 2 * v * d * rows * n / fsdp) / tp
   else:
@@ -314,8 +321,10 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
 
 def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: bool = False,
          log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-  """Per-chip plans of the configured train and rollout steps, and (search) the largest train
-  batch and rollout batch (prompts, each x G rows) that fit the chip's HBM."""
+  """Per-chip plans of the configured train and rollout steps and (search) the largest train
+  micro-batch (prompts in one pass) and rollout batch (prompts, each x G rows) that fit the
+  chip's HBM; then the configured batch in the largest micro-batches that divide it, compiled,
+  where that differs from `train.micro_batch`."""
   devices, chip, method = target(topology, compile=not analytic)
   shape = topology.partition(":")[2]
   n_dev = (len(devices) if devices is not None else
@@ -324,8 +333,8 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   check_mesh(cfg, fsdp)
   g = cfg.rollout.num_generations
   if devices is None:
-    measure = {w: (lambda u, w=w: analytic_plan(cfg, fsdp, tp, w, u, chip))
-               for w in ("train", "rollout")}
+    measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
+               "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
     mesh = Mesh(np.asarray(devices).reshape(fsdp, tp), mesh_lib.AXES)
     model = abstract_model(cfg, mesh)
@@ -333,31 +342,43 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     # inside its decode loop (TraceContextError): the rollout is planned without it.
     no_remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
     gen = model if cfg.model.remat == "none" else abstract_model(no_remat, mesh)
-    measure = {"train": lambda u: train_plan(cfg, mesh, model, u, chip),
+    measure = {"train": lambda u, m=None: train_plan(cfg, mesh, model, u, chip, micro=m),
                "rollout": lambda u: rollout_plan(cfg, mesh, gen, u, chip)}
-  steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
-  start = {w: -(-cfg.train.batch_size // s) * s for w, s in steps.items()}
   report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method,
                             "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {}}
 
-  def logged(what: str, u: int) -> StepPlan:
-    log(f"  {what} step, {u} prompts x {g} ...")
-    return measure[what](u)
+  def logged(what: str, u: int, *micro) -> StepPlan:
+    log(f"  {what} step, {u} prompts x {g}"
+        + (f" in micro-batches of {micro[0]}" if micro and micro[0] else "") + " ...")
+    return measure[what](u, *micro)
 
-  for what in ("train", "rollout"):
-    report[what] = logged(what, start[what])
-    if search:
-      cap = max(start[what], 8192 // g)
-      tried = largest_fitting(lambda u, w=what: report[w] if u == start[w] else logged(w, u),
-                              start[what], steps[what], chip.hbm, cap)
-      report["tried"][what] = [tried[u] for u in sorted(tried)]
-      fit = [u for u, r in tried.items() if r.fits]
-      report["largest"][what] = tried[max(fit)] if fit else None
+  b, micro = cfg.train.batch_size, cfg.train.micro_batch
+  report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
+  if not search:
+    return report
+  steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
+  for what, first in (("train", micro or b), ("rollout", b)):
+    start = -(-first // steps[what]) * steps[what]
+    known = {b: report[what]} if report[what].micro in (0, b) else {}  # one pass over b
+    tried = largest_fitting(lambda u, w=what, k=known: k[u] if u in k else logged(w, u),
+                            start, steps[what], chip.hbm, max(start, 8192 // g))
+    report["tried"][what] = [tried[u] for u in sorted(tried)]
+    fit = [u for u, r in tried.items() if r.fits]
+    report["largest"][what] = tried[max(fit)] if fit else None
+  best = report["largest"]["train"]
+  if best is not None:  # the configured batch in the largest micro-batches that fit
+    # Micro-batches of whole rows per chip where possible: one that does not split over
+    # 'fsdp' is computed whole on every chip.
+    divisors = [d for d in range(1, min(b, best.prompts) + 1) if b % d == 0]
+    m = max([d for d in divisors if d * g % fsdp == 0] or divisors)
+    if m != (micro or b):
+      report["micro"] = logged("train", b, m if m < b else None)
   return report
 
 
 def _row(r: StepPlan, chip: Chip) -> str:
-  head = f"  {r.what:8s} {r.prompts:5d} x G = {r.rows:5d} rows:"
+  head = f"  {r.what:8s} {r.prompts:5d} x G = {r.rows:5d} rows" + (
+      f" in {r.prompts // r.micro} micro-batches:" if 0 < r.micro < r.prompts else ":")
   if not r.fits and not r.total:
     return f"{head} does not fit: {r.note}"
   gib = lambda b: f"{b / GiB:6.2f}"
@@ -377,7 +398,13 @@ def format_report(report: dict[str, Any]) -> str:
            "configured:", _row(report["train"], chip), _row(report["rollout"], chip)]
   for what, tried in report["tried"].items():
     best = report["largest"].get(what)
+    name = "train micro-batch (one pass)" if what == "train" else "rollout batch"
     lines += [f"search ({what}):", *(_row(r, chip) for r in tried),
-              f"  largest {what} batch that fits: "
+              f"  largest {name} that fits: "
               + (f"{best.prompts} prompts x G = {best.rows} rows" if best else "none")]
+  if "micro" in report:
+    r = report["micro"]
+    lines += [f"with train.micro_batch={r.micro if r.micro < r.prompts else 'null'} "
+              f"({r.prompts // r.micro} pass{'es' if r.micro < r.prompts else ''} per step):",
+              _row(r, chip)]
   return "\n".join(lines)

@@ -5,7 +5,9 @@
     state, metrics = trainer.train_step(state, batch)
 
 Only the LoRA parameters are in `state` and receive gradients; the base weights are a separate
-argument that is never donated or updated.
+argument that is never donated or updated. With `train.micro_batch` the step accumulates the
+gradient over micro-batches of whole prompt groups in a `lax.scan` inside the same jitted
+function: the same update as one pass over the batch, with one micro-batch's memory.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Batch(NamedTuple):
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
 
 
-def completion_hidden(model, prompt, prompt_valid, completion, completion_mask) -> jax.Array:
+def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
+                      mesh=None) -> jax.Array:
   """Final hidden states that predict each completion token, [B * G, N, D].
 
   Each prompt goes through the model once and its KV cache is repeated to its G rows (exact:
@@ -60,11 +63,11 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask) 
     tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], axis=1)
     valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], axis=1)
     inp, v = tokens[:, :-1], valid[:, :-1]
-    hidden, _ = model.hidden_states(inp, positions_from_mask(v), None, causal_mask(v))
+    hidden, _ = model.hidden_states(inp, positions_from_mask(v), None, causal_mask(v), mesh)
     return hidden[:, -n:]
   cache = init_cache(model.config, b, size, model.embedding().dtype)
   h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid), cache,
-                                        causal_mask(prompt_valid, size))
+                                        causal_mask(prompt_valid, size), mesh)
   rep = lambda x: jnp.repeat(x, g, axis=0)
   hidden = rep(h_prompt[:, -1:])  # the last prompt position predicts the first token
   if n > 1:
@@ -73,7 +76,7 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask) 
     q_slot = p + jnp.arange(n - 1)  # cache slots of the completion inputs
     mask = (jnp.arange(size)[None, :] <= q_slot[:, None])[None] & kv_valid[:, None, :]
     positions = rep(jnp.sum(prompt_valid, axis=1))[:, None] + jnp.arange(n - 1)[None]
-    h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask)
+    h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask, mesh)
     hidden = jnp.concatenate([hidden, h_comp], axis=1)
   return hidden
 
@@ -81,7 +84,7 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask) 
 def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
                         chunk: int | None = None, mesh=None) -> tuple[jax.Array, jax.Array]:
   """log p and entropy of each completion token, [B * G, N] (the chunked head, `heads`)."""
-  hidden = completion_hidden(model, prompt, prompt_valid, completion, completion_mask)
+  hidden = completion_hidden(model, prompt, prompt_valid, completion, completion_mask, mesh)
   return heads.token_logprobs(hidden, model.embedding(), completion, chunk=chunk, mesh=mesh,
                               softcap=model.logit_softcap)
 
@@ -132,39 +135,110 @@ class Trainer:
     """Forward only: [R, N] log-probs (old policy when mu > 1; zeroed LoRA: the reference)."""
     return self._logprobs(self.base, lora, prompt, prompt_valid, completion, completion_mask)
 
-  def _completion_logprobs(self, base, lora, *batch):
-    return completion_logprobs(nnx.merge(self.graphdef, lora, base), *batch,
-                               chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
+  def micro_steps(self, prompts: int) -> int:
+    """Passes the train step (and the log-prob forward) makes over a batch of `prompts`."""
+    m = self.cfg.train.micro_batch or prompts
+    if prompts % m:
+      raise ValueError(f"a batch of {prompts} prompts does not split into micro-batches of "
+                       f"train.micro_batch = {m} prompts")
+    return prompts // m
 
-  def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+  def _completion_logprobs(self, base, lora, *batch):
+    def fwd(micro):
+      return completion_logprobs(nnx.merge(self.graphdef, lora, base), *micro,
+                                 chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
+
+    b, k = batch[0].shape[0], self.micro_steps(batch[0].shape[0])
+    if k == 1:
+      return fwd(batch)
+    return join_micro(jax.lax.map(fwd, split_micro(tuple(batch), b, k, self.mesh)), b)
+
+  def _grads(self, base, lora, batch: Batch, weights: jax.Array):
+    """(loss, LoRA gradients, log-probs, entropy) of one (micro-)batch; `weights` [R, N] hold
+    the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients of
+    micro-batches add up to the batch's."""
     g = self.cfg.grpo
 
     def loss_fn(model):
       hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
-                                 batch.completion_mask)
-      eps = dict(epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, beta=g.beta)
+                                 batch.completion_mask, self.mesh)
       adv = jnp.broadcast_to(batch.advantages[:, None], batch.old_logp.shape)
+      loss_terms = functools.partial(grpo.token_loss, epsilon_low=g.epsilon_low,
+                                     epsilon_high=g.epsilon_high, beta=g.beta)
       loss, logp, entropy = heads.fused_token_loss(
-          hidden, model.embedding(), batch.completion,
-          grpo.token_weights(batch.completion_mask, g.loss_agg),
-          functools.partial(grpo.token_loss, **eps), (batch.old_logp, batch.ref_logp, adv),
-          chunk=self.cfg.train.head_chunk, mesh=self.mesh, softcap=model.logit_softcap)
-      aux = grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
-                                batch.completion_mask, **eps)
-      m = batch.completion_mask.astype(jnp.float32)
-      aux["entropy"] = jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0)
-      return loss, aux
+          hidden, model.embedding(), batch.completion, weights, loss_terms,
+          (batch.old_logp, batch.ref_logp, adv), chunk=self.cfg.train.head_chunk,
+          mesh=self.mesh, softcap=model.logit_softcap)
+      return loss, (logp, entropy)
 
     # nnx.value_and_grad, not jax's: Tunix's remat (model.remat block / decoder) is nnx.remat,
     # which cannot update a module merged inside a plain jax transform (TraceContextError).
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
                                  has_aux=True)
-    (loss, aux), grads = grad_fn(nnx.merge(self.graphdef, state.lora, base))
+    (loss, (logp, entropy)), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
+    return loss, grads, logp, entropy
+
+  def _accumulated(self, base, lora, batch: Batch, weights: jax.Array, k: int):
+    """`_grads` of the whole batch as the sum over k micro-batches, one `lax.scan` pass each
+    (float32 accumulators); memory is one micro-batch's."""
+    b = batch.prompt.shape[0]
+    micro = split_micro((batch, weights), b, k, self.mesh)
+
+    def body(carry, xs):
+      # The weights ride in the carry, unchanged: nnx.value_and_grad refuses variables
+      # closed over from outside the scan ("different trace level").
+      acc, params = carry
+      loss, grads, logp, entropy = self._grads(*params, *xs)
+      acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (loss, grads))
+      return (acc, params), (logp, entropy)
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (jnp.zeros(()), lora))
+    ((loss, grads), _), (logp, entropy) = jax.lax.scan(body, (zeros, (base, lora)), micro)
+    grads = jax.tree.map(lambda x, p: x.astype(p.dtype), grads, lora)
+    return loss, grads, join_micro(logp, b), join_micro(entropy, b)
+
+  def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    g = self.cfg.grpo
+    weights = grpo.token_weights(batch.completion_mask, g.loss_agg)  # the whole batch's
+    k = self.micro_steps(batch.prompt.shape[0])
+    if k == 1:
+      loss, grads, logp, entropy = self._grads(base, state.lora, batch, weights)
+    else:
+      loss, grads, logp, entropy = self._accumulated(base, state.lora, batch, weights, k)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
+    m = batch.completion_mask.astype(jnp.float32)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-               "learning_rate": self.schedule(state.step), **aux}
+               "learning_rate": self.schedule(state.step),
+               "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
+               **grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                                     batch.completion_mask, epsilon_low=g.epsilon_low,
+                                     epsilon_high=g.epsilon_high, beta=g.beta)}
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), metrics
+
+
+def split_micro(tree, prompts: int, k: int, mesh=None):
+  """Splits every batch array of `tree` into k micro-batches of whole prompt groups, stacked
+  on a new leading axis: [prompts * c, ...] -> [k, prompts / k * c, ...] (c = 1 for prompt
+  arrays, G for completion rows). Micro-batch i holds prompts i, i + k, i + 2k, ...: strided,
+  so that where the batch is split over 'fsdp' every chip keeps its own rows in each one."""
+  def split(x):
+    c = x.shape[0] // prompts
+    y = x.reshape(prompts // k, k, c, *x.shape[1:]).swapaxes(0, 1)
+    y = y.reshape(k, prompts // k * c, *x.shape[1:])
+    if mesh is not None:
+      y = jax.lax.with_sharding_constraint(y, mesh_lib.micro_placement(mesh, y.shape))
+    return y
+
+  return jax.tree.map(split, tree)
+
+
+def join_micro(x: jax.Array, prompts: int) -> jax.Array:
+  """The inverse of `split_micro` for one array: [k, prompts / k * c, ...] -> [prompts * c, ...]."""
+  k = x.shape[0]
+  c = x.shape[1] * k // prompts
+  y = x.reshape(k, prompts // k, c, *x.shape[2:]).swapaxes(0, 1)
+  return y.reshape(prompts * c, *x.shape[2:])
 
 
 def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions,

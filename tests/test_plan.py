@@ -89,11 +89,12 @@ def test_analytic_plan_of_the_tiny_config():
 
 
 def test_compiled_plan_of_the_tiny_config_on_this_host():
-  report = plan.plan(tiny_config("data.max_prompt_tokens=64"), "cpu", search=False)
+  report = plan.plan(tiny_config("data.max_prompt_tokens=64", "rollout.max_new_tokens=32"),
+                     "cpu", search=False)
   train, rollout = report["train"], report["rollout"]
   assert train.rows == 2 * 4 and train.temporaries > 0 and train.arguments > 0
   assert 0.5 < train.flops / train.xla_flops < 2  # no long loops: matmuls ~ XLA's count
-  assert rollout.flops > 1.2 * rollout.xla_flops  # 8 decode steps, XLA counts one
+  assert rollout.flops > 1.2 * rollout.xla_flops  # 32 decode steps, XLA counts one
   # The sampler's KV-cache estimate is printed beside the compiled figure and fits inside it.
   assert 0 < rollout.kv_cache <= rollout.temporaries
   assert "KV cache" in plan.format_report(report)
@@ -111,10 +112,11 @@ def test_plan_with_each_remat(remat):
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the tpu extra)")
 def test_compiled_plan_of_the_tiny_config_for_v5e():
-  report = plan.plan(tiny_config("data.max_prompt_tokens=64"), "v5e:2x4", search=False)
+  report = plan.plan(tiny_config("data.max_prompt_tokens=64", "rollout.max_new_tokens=32"),
+                     "v5e:2x4", search=False)
   assert "libtpu" in report["method"]
   assert report["train"].fits and 0 < report["train"].total < plan.GiB
-  assert report["rollout"].flops > 1.2 * report["rollout"].xla_flops  # 8 decode steps
+  assert report["rollout"].flops > 1.2 * report["rollout"].xla_flops  # 32 decode steps
 
 
 def test_plan_command_line(capsys):
@@ -125,3 +127,38 @@ def test_plan_command_line(capsys):
   out = capsys.readouterr().out
   assert "per chip" in out and "train" in out and "rollout" in out
   assert cli.main(["plan", "--config", tiny, "--topology", "v9x"]) == 2
+
+
+def test_micro_batched_step_is_planned_with_every_pass_counted():
+  """train.micro_batch: the step's FLOPs are the one-pass step's (the scan over micro-batches
+  counted once per trip), and the row says how many passes."""
+  # 2 prompts x G = 4: 8 rows, one per fake device (a micro-batch that does not split over
+  # 'fsdp' is computed whole on every chip, which the planner rightly counts per chip).
+  cfg = tiny_config("data.max_prompt_tokens=64", "train.batch_size=4", "train.micro_batch=2")
+  micro = plan.plan(cfg, "cpu", search=False)["train"]
+  one = plan.plan(tiny_config("data.max_prompt_tokens=64", "train.batch_size=4"), "cpu",
+                  search=False)["train"]
+  assert (micro.micro, one.micro) == (2, 4) and micro.fits
+  assert 0.9 < micro.flops / one.flops < 1.1
+  assert micro.xla_flops < 0.75 * one.xla_flops  # XLA alone would count one of the 2 passes
+  assert "in 2 micro-batches" in plan.format_report({**plan.plan(cfg, "cpu", search=False),
+                                                     "tried": {}})
+
+
+def test_planner_finds_the_micro_batch_that_fits():
+  """Gemma3-1B at 256 prompts x 8 does not fit a v5e chip in one pass (analytic); the planner
+  finds the largest micro-batch that does, and the configured batch in micro-batches of the
+  largest divisor of it fits."""
+  from reasoner.config import load_config
+
+  cfg = load_config(ROOT / "configs" / "gemma3_1b.yaml",
+                    ["train.batch_size=256", "data.max_prompt_tokens=256",
+                     "rollout.max_new_tokens=768", "mesh.fsdp=8", "mesh.tp=1"])
+  report = plan.plan(cfg, "v5e:2x4", analytic=True)
+  assert not report["train"].fits
+  best, micro = report["largest"]["train"], report["micro"]
+  assert 1 <= best.prompts < 256 and best.fits and best.micro == best.prompts
+  assert micro.fits and micro.prompts == 256 and 256 % micro.micro == 0
+  assert micro.micro <= best.prompts < 2 * micro.micro  # the largest divisor of 256 that fits
+  assert micro.flops == pytest.approx(report["train"].flops)
+  assert f"train.micro_batch={micro.micro}" in plan.format_report(report)

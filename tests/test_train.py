@@ -96,3 +96,93 @@ def test_shared_prompt_logprobs_and_grads_match_dense(setup, window):
     scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g2))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4 * scale)
+
+
+def random_batch(setup, prompts: int, g: int, seed: int = 0):
+  """A training batch of random tokens: ragged prompts and completions, distinct advantages."""
+  from reasoner.trainer import Batch
+
+  rng = np.random.default_rng(seed)
+  p, n, rows = 6, 5, prompts * g
+  prompt_valid = np.arange(p)[None] >= rng.integers(0, 3, (prompts, 1))  # left-padded
+  cmask = np.arange(n)[None] < rng.integers(1, n + 1, (rows, 1))
+  host = dict(prompt=rng.integers(3, 200, (prompts, p)), prompt_valid=prompt_valid,
+              completion=rng.integers(3, 200, (rows, n)), completion_mask=cmask,
+              advantages=rng.normal(size=rows), old_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)),
+              ref_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)))
+  host = {k: v.astype(np.int32 if k in ("prompt", "completion") else
+                      bool if "valid" in k or "mask" in k else np.float32)
+          for k, v in host.items()}
+  return Batch(**{k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()})
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "sequence-mean-token-mean"])
+def test_micro_batches_give_the_one_pass_step(setup, agg):
+  """Gradient accumulation over 2 and 4 micro-batches: the same loss, gradients, metrics and
+  log-probs as one pass over the 4-prompt batch (the loss normalisation is the whole batch's)."""
+  import dataclasses
+
+  from reasoner import grpo
+
+  cfg = setup.cfg
+  batch = random_batch(setup, prompts=4, g=4)
+  lora = jax.tree.map(lambda x: x + 0.05, setup.lora)  # B != 0, so every LoRA weight has a grad
+  weights = grpo.token_weights(batch.completion_mask, agg)
+  results = {}
+  for micro in (None, 2, 1):
+    c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=4,
+                                                           micro_batch=micro),
+                            grpo=dataclasses.replace(cfg.grpo, beta=0.04, loss_agg=agg))
+    trainer = Trainer(setup.graphdef, setup.base, c)
+    k = trainer.micro_steps(4)
+    assert k == (4 // micro if micro else 1)
+    grads = jax.jit(lambda b, l, x, w: trainer._accumulated(b, l, x, w, k)[1] if k > 1 else
+                    trainer._grads(b, l, x, w)[1])(setup.base, lora, batch, weights)
+    logp = trainer.logprobs(lora, *batch[:4])
+    state = trainer.init_state(jax.tree.map(jnp.copy, lora), jax.random.PRNGKey(0))
+    state, m = trainer.train_step(state, batch)
+    assert int(state.step) == 1
+    results[micro] = (np.asarray(logp), jax.tree.map(np.asarray, grads),
+                      {k: float(v) for k, v in m.items()})
+  ref_logp, ref_grads, ref_m = results[None]
+  assert ref_m["grad_norm"] > 0 and ref_m["kl"] > 0
+  mask = np.asarray(batch.completion_mask)
+  for micro in (2, 1):
+    logp, grads, m = results[micro]
+    np.testing.assert_allclose(logp[mask], ref_logp[mask], rtol=1e-5, atol=1e-5)
+    assert m.keys() == ref_m.keys()
+    for k in m:  # float32 sums in another order: gradients agree to ~1e-4 of their size
+      np.testing.assert_allclose(m[k], ref_m[k], rtol=1e-3, atol=1e-6, err_msg=k)
+    scale = max(np.abs(b).max() for b in jax.tree.leaves(ref_grads))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_micro_batch_must_divide_the_batch(setup):
+  import dataclasses
+
+  from reasoner.config import ConfigError
+
+  with pytest.raises(ConfigError, match=r"'train.micro_batch' = 3: expected a divisor of "
+                                        r"train.batch_size \(4\)"):
+    tiny_config("train.batch_size=4", "train.micro_batch=3")
+  cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(setup.cfg.train, batch_size=4,
+                                                                 micro_batch=2))
+  trainer = Trainer(setup.graphdef, setup.base, cfg)
+  with pytest.raises(ValueError, match="a batch of 3 prompts does not split into micro-batches "
+                                       "of train.micro_batch = 2"):
+    trainer.micro_steps(3)
+
+
+def test_pinned_residual_stream_changes_no_value(setup):
+  """hidden_states(..., mesh): the residual stream held as rows over 'fsdp' between layers;
+  the same values as unpinned, and the result comes out split by rows."""
+  from reasoner.trainer import completion_hidden
+
+  batch = random_batch(setup, prompts=4, g=4)
+  model_args = (setup.graphdef, setup.lora, setup.base)
+  f = lambda mesh: jax.jit(lambda *s: completion_hidden(nnx.merge(*s), *batch[:4], mesh))
+  pinned, free = f(setup.mesh)(*model_args), f(None)(*model_args)
+  np.testing.assert_allclose(np.asarray(pinned), np.asarray(free), rtol=1e-5, atol=1e-5)
+  assert pinned.sharding.spec[0] == "fsdp"
+  assert mesh_lib.shard_fraction(pinned) == pytest.approx(1 / 8)
