@@ -248,8 +248,8 @@ def largest_fitting(measure: Callable[[int], StepPlan], start: int, step: int, l
       a, b = seen[fit[-2]], seen[fit[-1]]
       slope = (b.total - a.total) / (fit[-1] - fit[-2])
       guess = fit[-1] + (limit - b.total) / slope
-    else:
-      guess = 2 * lo if fit else hi / 2
+    else:  # double up to the first failure, then bisect
+      guess = (2 * lo if hi > cap else (lo + hi) / 2) if fit else hi / 2
     x = min(max(int(guess) // step * step, lo + step), hi - step)
   return seen
 

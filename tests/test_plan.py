@@ -75,6 +75,10 @@ def test_search_finds_the_largest_fitting_batch_in_few_compiles():
   tried = plan.largest_fitting(measure, 4, 1, 16 * plan.GiB, cap=4096, budget=8)
   assert max(u for u, r in tried.items() if r.fits) == 50
   assert 51 in tried and not tried[51].fits and len(calls) <= 5
+  # Starting above the limit: halve to a fit, then bisect (not step down one at a time).
+  calls.clear()
+  tried = plan.largest_fitting(measure, 256, 1, 16 * plan.GiB, cap=4096, budget=8)
+  assert max(u for u, r in tried.items() if r.fits) == 50 and len(calls) <= 8
 
 
 def test_analytic_plan_of_the_tiny_config():
