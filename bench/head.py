@@ -20,8 +20,8 @@
     float32, fused vs dense (and the remat-chunked `token_logprobs`), at a shape both fit.
 
 HEAD_BATCHES (default 32,128,256: batch 8 left out, every 1B compile takes 1-15 minutes on a
-2-core host, the whole grid about two hours) and HEAD_REMAT (none,block,decoder) set the grid. The largest batch that fits is
-the largest grid point that fits, not a search.
+2-core host, the whole grid about two hours) and HEAD_REMAT (none,block,decoder) set the grid.
+The largest batch that fits is the largest grid point that fits, not a search.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def planned(devices, chip) -> list[dict]:
     best = max((r["batch"] for r in rows if (r["remat"], r["step"]) == (remat, "ours")
                 and r["fits"]), default=0)
     for batch in (b for b in BATCHES if best and b > best):
-      micro = max(d for d in range(1, best // G + 1) if (batch // G) % d == 0)
+      micro = plan.micro_batch_for(batch // G, best // G, G, FSDP)
       _compiled(rows, remat, "ours_micro", batch, mesh, model, chip, micro=micro)
   return rows
 

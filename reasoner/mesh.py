@@ -52,17 +52,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def row_axis(mesh: Mesh, rows: int) -> str | None:
+  """'fsdp' where `rows` divide evenly over it; otherwise (a few prompts shared by their G
+  completions) None: replicated."""
+  return "fsdp" if rows % mesh.shape["fsdp"] == 0 else None
+
+
 def batch_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-  """Rows split over 'fsdp' where they divide evenly; otherwise (a few prompts shared by their
-  G completions) replicated."""
-  split = shape[0] % mesh.shape["fsdp"] == 0
-  return batch_sharding(mesh, len(shape)) if split else replicated(mesh)
+  """Rows split over 'fsdp' where they divide evenly (`row_axis`), otherwise replicated."""
+  return batch_sharding(mesh, len(shape)) if row_axis(mesh, shape[0]) else replicated(mesh)
 
 
 def activation_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-  """[B, T, D] activations: rows over 'fsdp' where they divide evenly, the model dimension over
-  'tp' where it divides (Tunix's act_btd for training)."""
-  rows = "fsdp" if shape[0] % mesh.shape["fsdp"] == 0 else None
+  """[B, T, D] activations: rows over 'fsdp' where they divide evenly (`row_axis`), the model
+  dimension over 'tp' where it divides (Tunix's act_btd for training)."""
+  rows = row_axis(mesh, shape[0])
   model = "tp" if mesh.shape["tp"] > 1 and shape[-1] % mesh.shape["tp"] == 0 else None
   return NamedSharding(mesh, P(rows, *([None] * (len(shape) - 2)), model))
 

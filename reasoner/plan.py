@@ -254,6 +254,15 @@ def largest_fitting(measure: Callable[[int], StepPlan], start: int, step: int, l
   return seen
 
 
+def micro_batch_for(prompts: int, largest: int, g: int, fsdp: int) -> int:
+  """The micro-batch (prompts) to split a batch of `prompts` into, given the largest one-pass
+  batch that fits: the largest divisor of `prompts` up to it, one of whole rows per chip
+  (d x G a multiple of fsdp) where there is one, since a micro-batch that does not split over
+  'fsdp' is computed whole on every chip."""
+  divisors = [d for d in range(1, min(prompts, largest) + 1) if prompts % d == 0]
+  return max([d for d in divisors if d * g % fsdp == 0] or divisors)
+
+
 # -------------------------------------------------------------------------------- analytic
 
 def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
@@ -367,10 +376,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     report["largest"][what] = tried[max(fit)] if fit else None
   best = report["largest"]["train"]
   if best is not None:  # the configured batch in the largest micro-batches that fit
-    # Micro-batches of whole rows per chip where possible: one that does not split over
-    # 'fsdp' is computed whole on every chip.
-    divisors = [d for d in range(1, min(b, best.prompts) + 1) if b % d == 0]
-    m = max([d for d in divisors if d * g % fsdp == 0] or divisors)
+    m = micro_batch_for(b, best.prompts, g, fsdp)
     if m != (micro or b):
       report["micro"] = logged("train", b, m if m < b else None)
   return report

@@ -166,3 +166,9 @@ def test_planner_finds_the_micro_batch_that_fits():
   assert micro.micro <= best.prompts < 2 * micro.micro  # the largest divisor of 256 that fits
   assert micro.flops == pytest.approx(report["train"].flops)
   assert f"train.micro_batch={micro.micro}" in plan.format_report(report)
+
+
+def test_micro_batch_for_prefers_whole_rows_per_chip():
+  assert plan.micro_batch_for(256, 40, 8, 8) == 32  # the largest divisor up to the fit
+  assert plan.micro_batch_for(6, 5, 4, 8) == 2  # not 3: 3 x 4 rows do not split over 8 chips
+  assert plan.micro_batch_for(3, 3, 1, 8) == 3  # no divisor splits: the largest one
