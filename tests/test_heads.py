@@ -183,3 +183,13 @@ def test_topk_matches_dense(vocab_chunk, softcap):
   np.testing.assert_allclose(vals, vals_d, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(ids, ids_d)
   np.testing.assert_allclose(lse, jax.nn.logsumexp(z, -1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, k", [(4096, 8), (4096, 40), (1000, 5)])  # two stages, fallbacks
+def test_exact_topk_equals_lax_top_k(n, k):
+  z = jax.random.permutation(jax.random.key(0), jnp.arange(3 * n, dtype=jnp.float32))
+  z = z.reshape(3, n)  # distinct values: the ids are unique
+  vals, ids = heads.exact_topk(z, k)
+  want_vals, want_ids = jax.lax.top_k(z, k)
+  np.testing.assert_array_equal(vals, want_vals)
+  np.testing.assert_array_equal(ids, want_ids)

@@ -1,5 +1,7 @@
 """The sampler against the full forward pass, on the tiny model (1 and 8 devices)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,8 @@ from conftest import tiny_config
 from reasoner import heads, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import MeshConfig
-from reasoner.sampler import Sampler, SamplingConfig, causal_mask, positions_from_mask
+from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, next_token,
+                              positions_from_mask, sample_token)
 from reasoner.trainer import Trainer, build_batch
 
 
@@ -36,7 +39,7 @@ def full_forward_greedy(setup, ids, n):
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
-  cfg = SamplingConfig(max_new_tokens=6, temperature=0.0)
+  cfg = SamplingConfig(max_new_tokens=6, temperature=0.0, vocab_chunk=100)  # 4 blocks
   prompts = ["Question: 1 + 2?", "Q: 7?"]  # different lengths: left padding is exercised
   comps, _, _ = sampler.sample((setup.lora, setup.base), prompts, jax.random.PRNGKey(0), cfg)
   for row, p in enumerate(prompts):
@@ -54,7 +57,7 @@ def test_batch_of_one_is_not_truncated(setup):
 
 def test_sampled_logprobs_equal_trainer_logprobs(setup):
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
-  cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_k=20)
+  cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_k=20, vocab_chunk=100)
   comps, tok, mask = sampler.sample((setup.lora, setup.base), ["Q: 3 + 4?", "Q: 9?"],
                                     jax.random.PRNGKey(3), cfg, num_generations=4)
   assert comps.tokens.shape == (8, 7)
@@ -65,6 +68,28 @@ def test_sampled_logprobs_equal_trainer_logprobs(setup):
   np.testing.assert_allclose(lp[comps.mask], comps.logprobs[comps.mask], atol=2e-4)
   # rows of one group differ (sampling), and the group shares the prompt
   assert len({tuple(r) for r in comps.tokens[:4]}) > 1
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("cfg", [
+    SamplingConfig(max_new_tokens=1, temperature=0.0),
+    SamplingConfig(max_new_tokens=1, temperature=0.7, top_k=5),
+    SamplingConfig(max_new_tokens=1, temperature=1.3, top_k=40, top_p=0.8),
+    SamplingConfig(max_new_tokens=1, temperature=1.0, top_p=0.9),  # forms the logits
+], ids=["greedy", "top_k", "top_k_top_p", "top_p_only"])
+@pytest.mark.parametrize("vocab, vocab_chunk", [(12288, None), (1000, 128)])
+def test_next_token_equals_dense(cfg, softcap, vocab, vocab_chunk):
+  """One block (two-stage top-k over 192 groups) and vocabulary blocks (8, the last padded)."""
+  h = jax.random.normal(jax.random.key(0), (6, 16))
+  emb = jax.random.normal(jax.random.key(1), (vocab, 16))
+  z = heads.logits(h, emb, softcap)
+  for seed in range(4):
+    key = jax.random.PRNGKey(seed)
+    cfg_v = dataclasses.replace(cfg, vocab_chunk=vocab_chunk)
+    tok, logp = next_token(h, emb, key, cfg_v, softcap)
+    want = sample_token(z, key, cfg)
+    np.testing.assert_array_equal(tok, want)
+    np.testing.assert_allclose(logp, jax.nn.log_softmax(z)[jnp.arange(6), want], atol=1e-5)
 
 
 def test_stop_token_and_stop_sequence_end_rows_early(setup):
