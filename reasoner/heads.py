@@ -355,7 +355,7 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
     z = jnp.where(ids[None] < v, z, -jnp.inf)  # padding rows never win
     bv, bi = exact_topk(z, min(k, vocab_chunk))
     vals, idx = _merge_topk(vals, idx, bv, ids[bi], k)
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    m_new = jnp.maximum(m, bv[:, 0])  # the block's largest logit, as in one block
     s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
     return (vals, idx, m_new, s), None
 
