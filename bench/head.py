@@ -236,6 +236,8 @@ def main() -> None:
 
 def report(rows: list[dict], times: dict, scan: float, method: str, **extra) -> None:
   """Goals and bench/results/head.json from (a)'s rows, (b)'s times and the scan check."""
+  from reasoner import plan
+
   summary = summarise(rows, plan.CHIPS["v5e"].hbm / plan.GiB)  # the v5e:2x4 target above
   ratio = times["fused_s"] / times["dense_s"]
   goals = [common.goal(f"HBM per chip at batch 32, remat {k}: ours / dense", v, 0.6)

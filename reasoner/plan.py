@@ -199,7 +199,7 @@ def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
 
 def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
   """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
-  from reasoner.sampler import Sampler, SamplingConfig
+  from reasoner.sampler import Sampler, SamplingConfig, prompt_layout
 
   graphdef, lora, base = model
   r = cfg.rollout
@@ -208,9 +208,12 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
                         top_k=r.top_k, top_p=r.top_p, vocab_chunk=r.vocab_chunk,
                         stop_ids=(1,))
   p = cfg.data.max_prompt_tokens
-  args = ((lora, base), _sds((prompts, p), jnp.int32, mesh), _sds((prompts, p), jnp.bool_, mesh),
+  c, extra = prompt_layout(mesh, prompts, r.num_generations)  # as `Sampler.sample` runs it
+  u = prompts * c + extra
+  args = ((lora, base), _sds((u, p), jnp.int32, mesh), _sds((u, p), jnp.bool_, mesh),
           jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(mesh)))
-  out = compile_plan(sampler._generate, args, {"cfg": scfg, "num_generations": r.num_generations},
+  out = compile_plan(sampler._generate, args,
+                     {"cfg": scfg, "num_generations": r.num_generations // c},
                      "rollout", prompts, prompts * r.num_generations, chip)
   out.kv_cache = kv_cache(cfg, mesh, prompts * r.num_generations)
   return out

@@ -318,23 +318,34 @@ class Sampler:
     width = bucket(max(len(s) for s in ids), self.buckets)
     toks, mask = left_pad(ids, width, self.tokenizer.pad_id)
     b = len(prompts)
-    extra = (-b) % self.mesh.shape["fsdp"]  # pad with copies of the first prompt; dropped below
+    prompt_toks, prompt_mask = toks, mask
+    c, extra = prompt_layout(self.mesh, b, num_generations)
+    toks, mask, g = np.repeat(toks, c, 0), np.repeat(mask, c, 0), num_generations // c
     if extra:
       toks = np.concatenate([toks, np.repeat(toks[:1], extra, 0)])
       mask = np.concatenate([mask, np.repeat(mask[:1], extra, 0)])
-    shape = (toks.shape[0], width, cfg, num_generations)
+    shape = (toks.shape[0], width, cfg, g)
     if shape not in self.compiled_shapes:
       self.compiled_shapes.add(shape)
       log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
-               "(%d sampler shapes so far)", shape[0], width, num_generations,
-               cfg.max_new_tokens, len(self.compiled_shapes))
+               "(%d sampler shapes so far)", shape[0], width, g, cfg.max_new_tokens,
+               len(self.compiled_shapes))
     out = self._generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
-                         mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg,
-                         num_generations=num_generations)
+                         mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
     tokens, valid, logps = (to_host(x)[:rows] for x in out)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
-    return Completions(tokens, valid, logps, texts), toks[:b], mask[:b]
+    return Completions(tokens, valid, logps, texts), prompt_toks, prompt_mask
+
+
+def prompt_layout(mesh: Mesh, prompts: int, g: int) -> tuple[int, int]:
+  """(copies of each prompt, padding prompts) that `Sampler.sample` runs for prompts x G rows.
+
+  Fewer prompts than chips: each chip prefills a copy of its rows' prompt and samples G / c of
+  the group (4 prompts x 8 on fsdp = 8: 8 copies x 4 rows, no row wasted). Otherwise the
+  prompts are padded to a multiple of 'fsdp' with copies of the first (their rows dropped)."""
+  c = mesh_lib.prompt_copies(mesh, prompts, g)
+  return c, (-prompts * c) % mesh.shape["fsdp"]
 
 
 def to_host(x: jax.Array) -> np.ndarray:

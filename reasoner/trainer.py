@@ -50,33 +50,40 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
                       mesh=None) -> jax.Array:
   """Final hidden states that predict each completion token, [B * G, N, D].
 
-  Each prompt goes through the model once and its KV cache is repeated to its G rows (exact:
-  gradients flow back through the shared cache), so the prompt costs B, not B * G, rows. Where
-  a sliding window could bind inside the sequence, one full forward per row is used instead.
+  Each prompt goes through the model once (once per chip its group spans, `prompt_copies`) and
+  its KV cache is repeated to its G rows (exact: gradients flow back through the shared cache),
+  so the prompt costs B (B * copies), not B * G, rows. Sliding-window layers get their own
+  mask. Only a prompt as long as the window takes one full forward per row: Tunix's prefill
+  band counts the window from the query's index in the call, then too narrow for the prompt.
   """
   b, p = prompt.shape
   rows, n = completion.shape
   g = rows // b
   size = p + n
   window = getattr(model.config, "sliding_window_size", None)
-  if window is not None and size > window:
+  if window is not None and p >= window:
     tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], axis=1)
     valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], axis=1)
     inp, v = tokens[:, :-1], valid[:, :-1]
     hidden, _ = model.hidden_states(inp, positions_from_mask(v), None, causal_mask(v), mesh)
     return hidden[:, -n:]
-  cache = init_cache(model.config, b, size, model.embedding().dtype)
+  c = mesh_lib.prompt_copies(mesh, b, g)
+  prompt, prompt_valid = jnp.repeat(prompt, c, 0), jnp.repeat(prompt_valid, c, 0)
+  cache = init_cache(model.config, b * c, size, model.embedding().dtype)
   h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid), cache,
                                         causal_mask(prompt_valid, size), mesh)
-  rep = lambda x: jnp.repeat(x, g, axis=0)
+  rep = lambda x: jnp.repeat(x, g // c, axis=0)
   hidden = rep(h_prompt[:, -1:])  # the last prompt position predicts the first token
   if n > 1:
     cache = jax.tree.map(rep, cache)
     kv_valid = jnp.concatenate([rep(prompt_valid), completion_mask], axis=1)  # [R, size]
     q_slot = p + jnp.arange(n - 1)  # cache slots of the completion inputs
-    mask = (jnp.arange(size)[None, :] <= q_slot[:, None])[None] & kv_valid[:, None, :]
+    ahead = q_slot[:, None] - jnp.arange(size)[None, :]  # query slot - key slot
+    mask = (ahead >= 0)[None] & kv_valid[:, None, :]
+    local = mask & (ahead < window)[None] if window is not None and size > window else None
     positions = rep(jnp.sum(prompt_valid, axis=1))[:, None] + jnp.arange(n - 1)[None]
-    h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask, mesh)
+    h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask, mesh,
+                                    local_mask=local)
     hidden = jnp.concatenate([hidden, h_comp], axis=1)
   return hidden
 

@@ -120,6 +120,23 @@ def test_one_device_and_eight_devices_agree(setup):
   np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
+  """2 prompts x G = 4 on 8 devices: 8 prompt copies of one row each (no padded prompts whose
+  rows are thrown away); greedy rows equal the full forward's, grouped by prompt."""
+  assert setup.mesh.shape["fsdp"] == 8
+  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  cfg = SamplingConfig(max_new_tokens=4, temperature=0.0)
+  prompts = ["Question: 1 + 2?", "Q: 7?"]
+  comps, toks, _ = sampler.sample((setup.lora, setup.base), prompts, jax.random.PRNGKey(0), cfg,
+                                  num_generations=4)
+  assert [s[0] for s in sampler.compiled_shapes] == [8]  # prompts run: 8 copies, 1 row each
+  assert [s[3] for s in sampler.compiled_shapes] == [1]
+  assert comps.tokens.shape == (8, 4) and toks.shape[0] == 2
+  for row in range(8):
+    ids = setup.tokenizer.encode(prompts[row // 4], add_bos=True)
+    assert comps.tokens[row].tolist() == full_forward_greedy(setup, ids, 4)
+
+
 def test_prompt_buckets_bound_the_compiles(setup):
   from reasoner.sampler import bucket, default_buckets
 

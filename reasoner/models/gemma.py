@@ -34,8 +34,12 @@ class _HiddenStates:
       cache: Cache | None,  # per layer {'k','v': [B, S, K, H], 'end_index': [B]}
       attention_mask: jax.Array,  # [B, T, S] bool (S = T without a cache)
       mesh: Mesh | None = None,
+      local_mask: jax.Array | None = None,  # [B, T, S]: the sliding-window layers' mask
   ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
-    """With `mesh`, the residual stream is pinned to rows over 'fsdp' between layers
+    """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
+    in its own band (so it must hold the window already where that band is wider).
+
+    With `mesh`, the residual stream is pinned to rows over 'fsdp' between layers
     (`mesh.activation_placement`). Tunix's own activation constraints are no-ops outside a
     `with mesh:` block and whenever the first device is a CPU (so in every ahead-of-time plan);
     unpinned, XLA split the activations along the model dimension like the weights and formed
@@ -47,7 +51,8 @@ class _HiddenStates:
     new_cache = None if cache is None else {}
     for i, layer in enumerate(self.layers):
       name = f"layer_{i}"
-      layer_cache, x = layer(x, positions, cache[name] if cache else None, attention_mask)
+      mask = attention_mask if local_mask is None or not _sliding(layer) else local_mask
+      layer_cache, x = layer(x, positions, cache[name] if cache else None, mask)
       x = pin(x)
       if cache is not None:
         new_cache[name] = layer_cache
@@ -59,6 +64,11 @@ class _HiddenStates:
 
   def embedding(self) -> jax.Array:  # [V, D], tied input embedding and output head
     return self.embedder.input_embedding.value
+
+
+def _sliding(layer) -> bool:
+  kind = getattr(getattr(layer, "attn", None), "attn_type", None)
+  return getattr(kind, "name", None) == "LOCAL_SLIDING"
 
 
 def _model_classes():
