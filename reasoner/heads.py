@@ -145,15 +145,16 @@ def _gathered(embedding: jax.Array, lay: Layout) -> jax.Array:
   return lay.constrain(embedding, _vocab_axis(lay, embedding.shape[0]), None)
 
 
-def _vocab_axes(lay: Layout, vocab: int) -> Any:
+def _vocab_axes(lay: Layout, vocab: int) -> tuple[str, ...]:
   """The mesh axes that split the vocabulary in the log-prob heads: 'fsdp' (and 'tp') where
-  the tokens are split over 'fsdp' and the vocabulary divides."""
+  the tokens are split over 'fsdp' and the vocabulary divides, else 'tp' as `_vocab_axis`."""
   if lay.mesh is None:
-    return None
+    return ()
   tp = int(lay.mesh.shape.get("tp", 1))
-  if vocab % (lay.shards * tp):
-    return _vocab_axis(lay, vocab)
-  return ("fsdp", "tp") if tp > 1 else "fsdp"
+  if vocab % (lay.shards * tp) == 0:
+    return ("fsdp", "tp") if tp > 1 else ("fsdp",)
+  axis = _vocab_axis(lay, vocab)
+  return (axis,) if axis else ()
 
 
 def _vocab_parallel(embedding: jax.Array, lay: Layout) -> jax.Array:
@@ -164,7 +165,7 @@ def _vocab_parallel(embedding: jax.Array, lay: Layout) -> jax.Array:
   4.7 + 9.4 MB moved a step (hidden states gathered, dh reduce-scattered) instead of the
   table once. The log-normaliser, target logit and entropy become [shards * chunk]-sized
   reductions across chips."""
-  return lay.constrain(embedding, _vocab_axes(lay, embedding.shape[0]), None)
+  return lay.constrain(embedding, _vocab_axes(lay, embedding.shape[0]) or None, None)
 
 
 def _layout(hidden: jax.Array, embedding: jax.Array, mesh: Mesh | None,
@@ -191,7 +192,7 @@ def _chunk_stats(h: jax.Array, emb: jax.Array, y: jax.Array, softcap: float | No
   chips (`_vocab_parallel`) needs only [C]-sized reductions across them."""
   z = logits(h.astype(emb.dtype), emb, softcap)
   vocab = _vocab_axes(lay, emb.shape[0])
-  z = lay.constrain(z, None if "fsdp" in (vocab or ()) else "fsdp", vocab)
+  z = lay.constrain(z, None if "fsdp" in vocab else "fsdp", vocab or None)
   m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
   e = jnp.exp(z - m)
   total = jnp.sum(e, axis=-1, keepdims=True)
@@ -249,8 +250,8 @@ def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
   de0 = jnp.zeros((v, d), jnp.float32) if want_de else jnp.zeros((), jnp.float32)
   if want_de:
     vocab = _vocab_axes(st.lay, v)
-    split_d = "fsdp" if d % st.lay.shards == 0 and "fsdp" not in (vocab or ()) else None
-    de0 = st.lay.constrain(de0, vocab, split_d)
+    split_d = "fsdp" if d % st.lay.shards == 0 and "fsdp" not in vocab else None
+    de0 = st.lay.constrain(de0, vocab or None, split_d)
 
   def body(carry, xs):
     loss, de = carry
