@@ -251,7 +251,8 @@ class TrainConfig:
   eval_before: bool = True
   num_log_samples: int = 3  # completions printed per eval
   # Tokens per chip in each step of the vocabulary head's scan (reasoner/heads.py); null: as
-  # many as keep one float32 [chunk, vocab] logits block at 256 MiB (256 for Gemma's 262,144).
+  # many as keep one float32 [chunk, vocab] logits block at 256 MiB (256 for Gemma's 262,144),
+  # at most 512 / fsdp when the rows are split over fsdp (`heads.auto_chunk`).
   head_chunk: int | None = None
   # Prompts per micro-batch of the train step: the batch's gradient is accumulated over
   # batch_size / micro_batch passes inside the one jitted step (exactly the full batch's

@@ -7,11 +7,13 @@ Layout (`plan_layout`). The [B, T] tokens are cut so that each scan step takes `
 from every data-parallel shard: a [K, shards * chunk, ...] stack whose middle axis is sharded
 over 'fsdp'. A chip then holds one [chunk, V / tp] float32 logits block at a time, whatever
 the batch: a fixed number of tokens per chip. By default `chunk` keeps that block at 256 MiB
-(256 tokens for V = 262,144); `train.head_chunk` overrides it. In the two log-prob heads the
-vocabulary is split across the chips instead of the tokens (`_vocab_parallel`): each step
-gathers the step's [shards * chunk, D] hidden states and each chip takes a [shards * chunk,
-V / (fsdp * tp)] block (the same bytes) against its own slice of the table, so no chip ever
-holds the whole [V, D] embedding.
+(256 tokens for V = 262,144), and at most `STEP_ROWS` / shards tokens per shard where shards
+feed each step (64 on fsdp = 8: a 64 MiB block, still a 512-row matmul a step; the 256 MiB
+blocks kept Gemma3-1B at 128 sequences from fitting a v5e chip); `train.head_chunk` overrides
+it. In the two log-prob heads the vocabulary is split across the chips instead of the tokens
+(`_vocab_parallel`): each step gathers the step's [shards * chunk, D] hidden states and each
+chip takes a [shards * chunk, V / (fsdp * tp)] block (the same bytes) against its own slice of
+the table, so no chip ever holds the whole [V, D] embedding.
 
 Heads:
 - `fused_token_loss`: the training head. The loss, per-token log-probs and entropies, with the
@@ -64,6 +66,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 LOGITS_BUDGET = 256 * 2**20  # bytes of one float32 [chunk, V / tp] logits block per chip
+STEP_ROWS = 512  # tokens a step takes from all shards together, at most (when several feed it)
 TokenFn = Callable[..., jax.Array]  # (logp [C], *args [C]) -> per-token loss [C], elementwise
 
 
@@ -92,9 +95,12 @@ class Layout:
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
 
 
-def auto_chunk(vocab: int, tp: int = 1, budget: int = LOGITS_BUDGET) -> int:
-  """Tokens per chip per step so that one float32 [chunk, vocab / tp] block is `budget` bytes."""
-  return max(8, budget // (4 * max(1, vocab // tp)))
+def auto_chunk(vocab: int, tp: int = 1, budget: int = LOGITS_BUDGET, shards: int = 1) -> int:
+  """Tokens per chip per step: one float32 [chunk, vocab / tp] block is at most `budget` bytes,
+  and `shards` > 1 shards feed a step at most `STEP_ROWS` tokens together. (On one device the
+  cap stays off: there a step's [V, D] embedding gradient is read and written once per step.)"""
+  chunk = max(8, budget // (4 * max(1, vocab // tp)))
+  return chunk if shards == 1 else max(8, min(chunk, STEP_ROWS // shards))
 
 
 def plan_layout(rows: int, positions: int, vocab: int, *, mesh: Mesh | None = None,
@@ -109,7 +115,8 @@ def plan_layout(rows: int, positions: int, vocab: int, *, mesh: Mesh | None = No
   tp = int(mesh.shape.get("tp", 1)) if mesh is not None else 1
   shards = fsdp if rows % fsdp == 0 else 1
   per_shard = max(1, rows * positions // shards)
-  want = chunk if chunk is not None else auto_chunk(vocab, tp if vocab % tp == 0 else 1)
+  want = chunk if chunk is not None else auto_chunk(vocab, tp if vocab % tp == 0 else 1,
+                                                    shards=shards)
   k = -(-per_shard // max(1, min(want, per_shard)))
   c = -(-per_shard // k)
   if chunk is None and c > 8:

@@ -199,7 +199,7 @@ def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
 
 def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
   """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
-  from reasoner.sampler import Sampler, SamplingConfig, prompt_layout
+  from reasoner.sampler import Sampler, SamplingConfig, decoded_rows, prompt_layout
 
   graphdef, lora, base = model
   r = cfg.rollout
@@ -215,7 +215,7 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
   out = compile_plan(sampler._generate, args,
                      {"cfg": scfg, "num_generations": r.num_generations // c},
                      "rollout", prompts, prompts * r.num_generations, chip)
-  out.kv_cache = kv_cache(cfg, mesh, prompts * r.num_generations)
+  out.kv_cache = kv_cache(cfg, mesh, decoded_rows(mesh, prompts, r.num_generations))
   return out
 
 
@@ -277,7 +277,8 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   from reasoner import heads
   from reasoner.models import gemma
 
-  t = gemma.model_spec(cfg.model, _vocab(cfg)).tunix_config
+  spec = gemma.model_spec(cfg.model, _vocab(cfg))
+  t = spec.tunix_config
   d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
   nh, kh = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
   item = jnp.dtype(cfg.model.dtype).itemsize
@@ -290,9 +291,12 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   out = StepPlan(what, prompts, rows, arguments=int(weights * item / chips),
                  note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
-    act = {"none": item * (8 * d + 3 * f + 2 * nh + 2 * kh) + 8 * t.num_heads * (p + n),
+    # Gemma 3's attention (`models.attention`) keeps no [T, S] probabilities for the backward
+    probs = 0 if spec.family == "gemma3" else 8 * t.num_heads * (p + n)
+    act = {"none": item * (8 * d + 3 * f + 2 * nh + 2 * kh) + probs,
            "block": 2 * d * item, "decoder": d * item}[cfg.model.remat]
-    chunk = heads.auto_chunk(v, tp) if cfg.train.head_chunk is None else cfg.train.head_chunk
+    chunk = (heads.auto_chunk(v, tp, shards=fsdp) if cfg.train.head_chunk is None
+             else cfg.train.head_chunk)
     out.arguments += 16 * lora
     live = tokens * out.micro / prompts  # one micro-batch's activations at a time
     out.temporaries = int(live * (layers * act + d * item) + 3 * chunk * v / tp * 4)

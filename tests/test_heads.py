@@ -132,10 +132,12 @@ def test_each_chunks_logits_are_computed_once(train_embedding, expected):
 
 def test_layout_is_a_fixed_number_of_tokens_per_chip():
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(8, 1), ("fsdp", "tp"))
-  for rows in (8, 64, 256):
+  for rows in (8, 64, 256):  # 8 shards feed each step: 512 tokens together, 64 from each
     lay = heads.plan_layout(rows, 1024, 262_144, mesh=mesh)
-    assert (lay.chunk, lay.shards) == (256, 8)
-    assert lay.chunks == rows * 1024 // 8 // 256
+    assert (lay.chunk, lay.shards) == (64, 8)
+    assert lay.chunks == rows * 1024 // 8 // 64
+  one = heads.plan_layout(4, 1024, 262_144)  # one device: the 256 MiB block, 256 tokens
+  assert (one.chunk, one.shards, one.chunks) == (256, 1, 16)
   odd = heads.plan_layout(3, 7, 97, chunk=4)
   assert (odd.shards, odd.chunk, odd.chunks) == (1, 4, 6)  # balanced: 24 slots for 21 tokens
   x = jnp.arange(16 * 5 * 3).reshape(16, 5, 3)

@@ -51,7 +51,8 @@ def test_step_moves_lora_and_leaves_base_bit_identical(setup):
 
 
 def dense_completion_logprobs(model, prompt, prompt_valid, completion, completion_mask):
-  """Reference: every row's whole sequence through the model, full [R, T, V] log-softmax."""
+  """Reference: every row's whole sequence through the model (Tunix's attention, left to
+  autodiff), full [R, T, V] log-softmax."""
   from reasoner import heads
   from reasoner.sampler import causal_mask, positions_from_mask
 
@@ -59,7 +60,7 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
   tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], 1)
   valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], 1)
   h, _ = model.hidden_states(tokens[:, :-1], positions_from_mask(valid[:, :-1]), None,
-                             causal_mask(valid[:, :-1]))
+                             causal_mask(valid[:, :-1]), tunix_attention=True)
   z = jax.nn.log_softmax(heads.logits(h, model.embedding()), -1)
   n = completion.shape[1]
   return jnp.take_along_axis(z[:, -n:], completion[..., None], -1)[..., 0]

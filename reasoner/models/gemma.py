@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, ModelConfig
+from reasoner.models import attention
 
 Cache = dict[str, dict[str, jax.Array]]
 
@@ -35,9 +37,14 @@ class _HiddenStates:
       attention_mask: jax.Array,  # [B, T, S] bool (S = T without a cache)
       mesh: Mesh | None = None,
       local_mask: jax.Array | None = None,  # [B, T, S]: the sliding-window layers' mask
+      tunix_attention: bool = False,
   ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
     """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
     in its own band (so it must hold the window already where that band is wider).
+
+    Gemma 3 layers on more than one token run `attention.decoder_layer` (Tunix's forward, no
+    [B, T, N, S] probabilities kept for the backward); `tunix_attention` keeps Tunix's own
+    (the benchmark's dense reference).
 
     With `mesh`, the residual stream is pinned to rows over 'fsdp' between layers
     (`mesh.activation_placement`). Tunix's own activation constraints are no-ops outside a
@@ -52,7 +59,10 @@ class _HiddenStates:
     for i, layer in enumerate(self.layers):
       name = f"layer_{i}"
       mask = attention_mask if local_mask is None or not _sliding(layer) else local_mask
-      layer_cache, x = layer(x, positions, cache[name] if cache else None, mask)
+      call = layer
+      if not tunix_attention and attention.applies(layer, tokens.shape[1]):
+        call = functools.partial(attention.decoder_layer, layer)
+      layer_cache, x = call(x, positions, cache[name] if cache else None, mask)
       x = pin(x)
       if cache is not None:
         new_cache[name] = layer_cache

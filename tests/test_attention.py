@@ -1,0 +1,82 @@
+"""The attention core that keeps no probabilities for the backward, against Tunix's own."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from reasoner.build import build
+from reasoner.models import attention
+from reasoner.sampler import causal_mask, positions_from_mask
+
+
+def _dense(q, k, v, mask):  # the same forward, left to autodiff
+  probs = jax.nn.softmax(attention._logits(q, k, mask), axis=-1).astype(v.dtype)
+  return jnp.einsum("BTKGS,BSKH->BTKGH", probs, v)
+
+
+def _inputs(seed=0, b=2, t=5, s=7, k=2, g=3, h=4):
+  rng = np.random.default_rng(seed)
+  q, kk, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+              for shape in ((b, t, k, g, h), (b, s, k, h), (b, s, k, h)))
+  mask = np.arange(s)[None, None] <= np.arange(t)[None, :, None] + (s - t)  # causal, cached
+  mask = mask & (np.arange(s)[None, None] >= np.array([0, 3])[:, None, None])  # left padding
+  mask[1, 0] = False  # one query sees no key at all (a padded row): uniform, as Tunix's
+  return q, kk, v, jnp.asarray(mask)
+
+
+def test_attend_values_and_gradients_match_autodiff():
+  q, k, v, mask = _inputs()
+  np.testing.assert_allclose(attention.attend(q, k, v, mask), _dense(q, k, v, mask),
+                             rtol=1e-6, atol=1e-6)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, mask) * w)
+  ours = jax.grad(loss(attention.attend), argnums=(0, 1, 2))(q, k, v)
+  ref = jax.grad(loss(_dense), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(ours, ref):
+    assert float(jnp.abs(b).max()) > 1e-3
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_saves_no_probabilities_for_the_backward(capsys):
+  from jax.ad_checkpoint import print_saved_residuals
+
+  q, k, v, mask = _inputs()
+  probs = "f32[%s]" % ",".join(map(str, q.shape[:-1] + (k.shape[1],)))
+
+  def saved(f):
+    print_saved_residuals(lambda q, k, v: jnp.sum(f(q, k, v, mask)), q, k, v)
+    return capsys.readouterr().out
+
+  assert probs in saved(_dense)  # the test can fail: autodiff keeps [B, T, K, G, S]
+  assert probs not in saved(attention.attend)
+
+
+@pytest.mark.parametrize("remat", ["none", "block", "decoder"])
+def test_model_with_our_attention_matches_tunix(remat):
+  """The tiny Gemma 3 with LoRA (B != 0): hidden states and LoRA gradients equal Tunix's."""
+  setup = build(tiny_config(f"model.remat={remat}", "model.tiny_layers=2"))
+  model = setup.model(jax.tree.map(lambda x: x + 0.05, setup.lora))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, 200, (4, 9)), jnp.int32)
+  valid = jnp.asarray(np.arange(9)[None] >= np.array([0, 2, 4, 0])[:, None])
+  w = jnp.asarray(rng.normal(size=(4, 9, model.embedding().shape[1])), jnp.float32)
+
+  def loss(model, tunix):
+    h, _ = model.hidden_states(tokens, positions_from_mask(valid), None, causal_mask(valid),
+                               tunix_attention=tunix)
+    return jnp.sum(jnp.where(valid[..., None], h, 0.0) * w), h
+
+  # nnx's grad, as the trainer's: Tunix's remat is nnx.remat
+  grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
+  (_, h), grads = grad(model, False)
+  (_, h_ref), ref = grad(model, True)
+  np.testing.assert_allclose(np.asarray(h)[np.asarray(valid)],
+                             np.asarray(h_ref)[np.asarray(valid)], rtol=1e-5, atol=1e-5)
+  assert any("q_einsum" in str(p) for p, _ in nnx.to_flat_state(ref))
+  scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ref))
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+    assert float(np.abs(b).max()) > 0  # every LoRA weight, attention's included, has a gradient
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
