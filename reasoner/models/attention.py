@@ -4,8 +4,9 @@ Tunix's attention leaves its softmax probabilities to autodiff, which keeps one 
 array per layer alive from the forward to the backward pass (Gemma3-1B, 4 rows x 1024 slots a
 chip: 24 MiB a layer, 0.62 GiB over 26 layers, all of it at the step's peak). `attend` is a
 `jax.custom_vjp` that saves only its inputs (q, k, v and the mask) and forms the probabilities
-again, one layer at a time, in the backward pass (as flash attention does): two [T, S] dots per
-head more, about 1% of the step. Its forward is Tunix's, operation for operation.
+again, one layer at a time, in the backward pass (as flash attention does): one [T, S] dot per
+head more (the logits), 1.2% of the step's FLOPs. Its forward is Tunix's, operation for
+operation, activation constraints included.
 
 `decoder_layer` is Tunix's `DecoderLayer` / `Attention` forward for calls of more than one token
 (training and prefill) with that core, on the layer's own modules (qwix's LoRA still sees every
@@ -71,6 +72,8 @@ def _attention_block(attn, x, segment_pos, cache, attn_mask):
   else:
     q = attn.q_einsum(x)
     k, v = attn.kv_einsum(x)
+  shard = gemma3_lib.sharding_utils.shard  # no-ops outside `with mesh:`, as in Tunix
+  q, k, v = (shard(a, attn.shd_config.act_btnh) for a in (q, k, v))
   q, k = attn._query_norm(q), attn._key_norm(k)
   rope = dict(head_dim=attn.head_dim, base_frequency=attn.rope_base_frequency,
               scale_factor=attn.rope_scale_factor)
@@ -87,7 +90,7 @@ def _attention_block(attn, x, segment_pos, cache, attn_mask):
   b, t, n, h = q.shape
   kv = attn.num_kv_heads
   out = attend(q.reshape(b, t, kv, n // kv, h), k, v, attn_mask.astype(bool))
-  attn_output = attn.attn_vec_einsum(out.reshape(b, t, n, h))
+  attn_output = shard(attn.attn_vec_einsum(out.reshape(b, t, n, h)), attn.shd_config.act_btd)
   new_cache = None if cache is None else {"v": v, "k": k,
                                           "end_index": cache["end_index"] + seq_len}
   return new_cache, attn_output
