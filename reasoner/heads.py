@@ -98,7 +98,7 @@ class Layout:
 def auto_chunk(vocab: int, tp: int = 1, budget: int = LOGITS_BUDGET, shards: int = 1) -> int:
   """Tokens per chip per step: one float32 [chunk, vocab / tp] block is at most `budget` bytes,
   and `shards` > 1 shards feed a step at most `STEP_ROWS` tokens together. (On one device the
-  cap stays off: there a step's [V, D] embedding gradient is read and written once per step.)"""
+  cap stays off: on a CPU, 64-token steps made the fused head 1.5x slower than 256-token ones.)"""
   chunk = max(8, budget // (4 * max(1, vocab // tp)))
   return chunk if shards == 1 else max(8, min(chunk, STEP_ROWS // shards))
 
