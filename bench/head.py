@@ -5,10 +5,10 @@
 (a) Planned per-chip HBM and compiled FLOPs, Gemma3-1B (bf16), LoRA r64, L = 256 + 768,
     G = 8, fsdp = 8 on TPU v5e:2x4 (compiled ahead of time with libtpu, `reasoner.plan`), for
     each remat setting and global batch (sequences), of
-      ours:  `Trainer._train_step` (shared-prompt forward, `models.attention`,
-             `heads.fused_token_loss`);
+      ours:  `Trainer._train_step` (shared-prompt forward, `models.layer` and
+             `models.attention`, `heads.fused_token_loss`);
       dense: Tunix 0.1.7's step (`dense_step`): each row's whole sequence through the
-             model with Tunix's attention (residual stream pinned to rows over 'fsdp', as
+             model with Tunix's layers (residual stream pinned to rows over 'fsdp', as
              ours), [rows, L - 1, V] logits in bf16, `selective_log_softmax` (float32
              log-sum-exp), then the same GRPO loss and optimizer;
       ours_micro: ours with `train.micro_batch` (gradient accumulation over micro-batches in a

@@ -291,10 +291,11 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   out = StepPlan(what, prompts, rows, arguments=int(weights * item / chips),
                  note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
-    # Gemma 3's attention (`models.attention`) keeps no [T, S] probabilities for the backward
-    probs = 0 if spec.family == "gemma3" else 8 * t.num_heads * (p + n)
-    act = {"none": item * (8 * d + 3 * f + 2 * nh + 2 * kh) + probs,
-           "block": 2 * d * item, "decoder": d * item}[cfg.model.remat]
+    if spec.family == "gemma3":  # `models.layer`: named matmul outputs, no [T, S] probabilities
+      none = item * (3 * d + 2 * f + 2 * nh + 2 * kh)
+    else:  # Tunix's layer left to autodiff
+      none = item * (8 * d + 3 * f + 2 * nh + 2 * kh) + 8 * t.num_heads * (p + n)
+    act = {"none": none, "block": 2 * d * item, "decoder": d * item}[cfg.model.remat]
     chunk = (heads.auto_chunk(v, tp, shards=fsdp) if cfg.train.head_chunk is None
              else cfg.train.head_chunk)
     out.arguments += 16 * lora

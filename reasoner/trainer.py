@@ -151,14 +151,17 @@ class Trainer:
     return prompts // m
 
   def _completion_logprobs(self, base, lora, *batch):
-    def fwd(micro):
-      return completion_logprobs(nnx.merge(self.graphdef, lora, base), *micro,
-                                 chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
+    def fwd(params, micro):
+      # The weights ride in the carry: the layers' nnx.remat refuses variables closed over
+      # from outside the scan ("different trace level").
+      return params, completion_logprobs(nnx.merge(self.graphdef, *params), *micro,
+                                         chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
 
     b, k = batch[0].shape[0], self.micro_steps(batch[0].shape[0])
     if k == 1:
-      return fwd(batch)
-    return join_micro(jax.lax.map(fwd, split_micro(tuple(batch), b, k, self.mesh)), b)
+      return fwd((lora, base), batch)[1]
+    _, logp = jax.lax.scan(fwd, (lora, base), split_micro(tuple(batch), b, k, self.mesh))
+    return join_micro(logp, b)
 
   def _grads(self, base, lora, batch: Batch, weights: jax.Array):
     """(loss, LoRA gradients, log-probs, entropy) of one (micro-)batch; `weights` [R, N] hold
@@ -178,8 +181,8 @@ class Trainer:
           mesh=self.mesh, softcap=model.logit_softcap)
       return loss, (logp, entropy)
 
-    # nnx.value_and_grad, not jax's: Tunix's remat (model.remat block / decoder) is nnx.remat,
-    # which cannot update a module merged inside a plain jax transform (TraceContextError).
+    # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
+    # cannot update a module merged inside a plain jax transform (TraceContextError).
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
                                  has_aux=True)
     (loss, (logp, entropy)), grads = grad_fn(nnx.merge(self.graphdef, lora, base))

@@ -1,4 +1,4 @@
-"""Gemma 3's decoder layer with an attention that keeps no [B, T, N, S] array for the backward.
+"""Gemma 3's attention with a core that keeps no [B, T, N, S] array for the backward.
 
 Tunix's attention leaves its softmax probabilities to autodiff, which keeps one [B, T, N, S]
 array per layer alive from the forward to the backward pass (Gemma3-1B, 4 rows x 1024 slots a
@@ -8,19 +8,19 @@ again, one layer at a time, in the backward pass (as flash attention does): one 
 head more (the logits), 1.2% of the step's FLOPs. Its forward is Tunix's, operation for
 operation, activation constraints included.
 
-`decoder_layer` is Tunix's `DecoderLayer` / `Attention` forward for calls of more than one token
-(training and prefill) with that core, on the layer's own modules (qwix's LoRA still sees every
-projection); remat follows the model's setting as Tunix's does. Single-token decode steps and
-Gemma 2 keep Tunix's code (`reasoner.models.gemma.hidden_states`).
+`attention_block` is Tunix's `Attention.block` for calls of more than one token (training and
+prefill) with that core, on the layer's own modules (qwix's LoRA still sees every projection);
+`reasoner.models.layer` composes it into the decoder layer.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 K_MASK = -2.3819763e38  # Tunix's masked logit
+# What `attention_block` names: the q, k, v projections, the core's output, the output projection
+NAMES = ("attn_q", "attn_k", "attn_v", "attn_core", "attn_out")
 
 
 def _logits(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
@@ -62,8 +62,10 @@ def _attend_bwd(res, do):
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _attention_block(attn, x, segment_pos, cache, attn_mask):
-  """Tunix 0.1.7's `gemma3.Attention.block` for T > 1, the core swapped for `attend`."""
+def attention_block(attn, x, segment_pos, cache, attn_mask):
+  """Tunix 0.1.7's `gemma3.Attention.block` for T > 1, the core swapped for `attend`; the
+  projections' outputs and the core's are named (`NAMES`) for the layer's remat policy."""
+  from jax.ad_checkpoint import checkpoint_name
   from tunix.models.gemma3 import model as gemma3_lib
 
   seq_len = x.shape[1]
@@ -72,6 +74,7 @@ def _attention_block(attn, x, segment_pos, cache, attn_mask):
   else:
     q = attn.q_einsum(x)
     k, v = attn.kv_einsum(x)
+  q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), NAMES[:3]))
   shard = gemma3_lib.sharding_utils.shard  # no-ops outside `with mesh:`, as in Tunix
   q, k, v = (shard(a, attn.shd_config.act_btnh) for a in (q, k, v))
   q, k = attn._query_norm(q), attn._key_norm(k)
@@ -90,37 +93,9 @@ def _attention_block(attn, x, segment_pos, cache, attn_mask):
   b, t, n, h = q.shape
   kv = attn.num_kv_heads
   out = attend(q.reshape(b, t, kv, n // kv, h), k, v, attn_mask.astype(bool))
-  attn_output = shard(attn.attn_vec_einsum(out.reshape(b, t, n, h)), attn.shd_config.act_btd)
+  out = checkpoint_name(out.reshape(b, t, n, h), NAMES[3])
+  attn_output = checkpoint_name(attn.attn_vec_einsum(out), NAMES[4])
+  attn_output = shard(attn_output, attn.shd_config.act_btd)
   new_cache = None if cache is None else {"v": v, "k": k,
                                           "end_index": cache["end_index"] + seq_len}
   return new_cache, attn_output
-
-
-def _layer_block(layer, x, segment_pos, cache, attn_mask):
-  """Tunix's `DecoderLayer.block`."""
-  from tunix.models.gemma3 import model as gemma3_lib
-
-  attention = _attention_block
-  if layer.config.remat_config == gemma3_lib.RematConfig.BLOCK:
-    attention = nnx.remat(_attention_block)
-  cache, attn_output = attention(layer.attn, layer.pre_attention_norm(x), segment_pos, cache,
-                                 attn_mask)
-  attn_output = layer.post_attention_norm(attn_output) + x
-  outputs = layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(attn_output)))
-  return cache, outputs + attn_output
-
-
-def decoder_layer(layer, x, segment_pos, cache, attn_mask):
-  """Tunix's `DecoderLayer.__call__` (remat as configured) with `attend` as the core."""
-  from tunix.models.gemma3 import model as gemma3_lib
-
-  if layer.config.remat_config == gemma3_lib.RematConfig.DECODER:
-    return nnx.remat(_layer_block)(layer, x, segment_pos, cache, attn_mask)
-  return _layer_block(layer, x, segment_pos, cache, attn_mask)
-
-
-def applies(layer, tokens: int) -> bool:
-  """Gemma 3 layers on calls of more than one token."""
-  from tunix.models.gemma3 import model as gemma3_lib
-
-  return tokens > 1 and isinstance(layer, gemma3_lib.DecoderLayer)

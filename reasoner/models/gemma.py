@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, ModelConfig
-from reasoner.models import attention
+from reasoner.models import layer as layer_lib
 
 Cache = dict[str, dict[str, jax.Array]]
 
@@ -42,7 +42,7 @@ class _HiddenStates:
     """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
     in its own band (so it must hold the window already where that band is wider).
 
-    Gemma 3 layers on more than one token run `attention.decoder_layer` (Tunix's forward, no
+    Gemma 3 layers on more than one token run `layer.decoder_layer` (Tunix's forward, no
     [B, T, N, S] probabilities kept for the backward); `tunix_attention` keeps Tunix's own
     (the benchmark's dense reference).
 
@@ -60,8 +60,8 @@ class _HiddenStates:
       name = f"layer_{i}"
       mask = attention_mask if local_mask is None or not _sliding(layer) else local_mask
       call = layer
-      if not tunix_attention and attention.applies(layer, tokens.shape[1]):
-        call = functools.partial(attention.decoder_layer, layer)
+      if not tunix_attention and layer_lib.applies(layer, tokens.shape[1]):
+        call = functools.partial(layer_lib.decoder_layer, layer)
       layer_cache, x = call(x, positions, cache[name] if cache else None, mask)
       x = pin(x)
       if cache is not None:

@@ -1,4 +1,8 @@
-"""The attention core that keeps no probabilities for the backward, against Tunix's own."""
+"""The decoder layer against Tunix's: the attention core that keeps no probabilities for the
+backward, and the remat policy that keeps only named matmul outputs."""
+
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +12,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from reasoner.build import build
-from reasoner.models import attention
+from reasoner.models import attention, layer
 from reasoner.sampler import causal_mask, positions_from_mask
 
 
@@ -80,3 +84,44 @@ def test_model_with_our_attention_matches_tunix(remat):
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     assert float(np.abs(b).max()) > 0  # every LoRA weight, attention's included, has a gradient
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
+
+
+def _saved_residuals(capsys, remat: str, tunix: bool) -> tuple[list[str], int]:
+  """What autodiff keeps for the backward of one tiny layer with LoRA (weights excluded)."""
+  from jax.ad_checkpoint import print_saved_residuals
+
+  setup = build(tiny_config(f"model.remat={remat}", "model.tiny_layers=1"))
+  model = setup.model(jax.tree.map(lambda x: x + 0.05, setup.lora))
+  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+  valid = jnp.ones((2, 7), bool)
+
+  def loss(lora):
+    m = nnx.merge(graphdef, lora, rest, copy=True)
+    h, _ = m.hidden_states(jnp.ones((2, 7), jnp.int32), positions_from_mask(valid), None,
+                           causal_mask(valid), tunix_attention=tunix)
+    return jnp.sum(h)
+
+  capsys.readouterr()
+  print_saved_residuals(loss, lora)
+  skip = ("from the argument", "from a constant", "from a literal")
+  lines = capsys.readouterr().out.splitlines()
+  return [l for l in lines if not any(s in l for s in skip)], model.layers[0].mlp.config.hidden_dim
+
+
+def _elements(lines: list[str]) -> int:
+  return sum(math.prod(map(int, re.match(r"\w+\[([\d,]*)\]", l).group(1).split(",")))
+             for l in lines if not l.startswith(("f32[]", "i32[]")))
+
+
+@pytest.mark.parametrize("remat", ["none", "decoder"])  # block: Tunix's arrangement
+def test_layer_keeps_only_its_named_matmul_outputs(capsys, remat):
+  (ours, hidden), (tunix, _) = (_saved_residuals(capsys, remat, t) for t in (False, True))
+  named = {m.group(1) for l in ours if (m := re.search(r"named '(\w+)'", l))}
+  assert named == set(layer.SAVED[remat])
+  wide = lambda lines: sum(re.match(rf"f32\[[\d,]*,{hidden}\]", l) is not None for l in lines)
+  if remat == "none":
+    assert wide(ours) == 2  # gate and up
+    assert wide(tunix) >= 5  # the gelu's pieces too: the test can fail
+    assert _elements(ours) < _elements(tunix), (ours, tunix)
+  else:  # decoder: both keep only the layer's input
+    assert wide(ours) == wide(tunix) == 0 and _elements(ours) == _elements(tunix)
