@@ -10,7 +10,8 @@ setting:
 - none: every projection's output and the attention core's: no projection runs twice (only
   LoRA's rank-r x @ A products do, r columns each). Against Tunix's none, the [T, 6912]
   arrays kept fall from seven a layer to two (Gemma3-1B at 32 sequences on v5e-8: 8.19 ->
-  6.17 GiB a chip, +0.9% FLOPs).
+  6.17 GiB a chip, +0.9% FLOPs, +1.4% bytes moved; the 270M's train step on the 2-core CPU,
+  where elementwise work weighs more, takes ~5% longer).
 - block: Tunix's arrangement, attention and MLP each under a plain `nnx.remat`. A whole-layer
   policy keeping only the two output projections' (norms and residual sums formed again)
   planned 4.68 GiB instead of 4.82 for Gemma3-1B at 32 sequences, but its compiled HLO moved
