@@ -1,8 +1,9 @@
 """Batched sampling for rollouts and evaluation: one prefill per prompt, one `lax.while_loop`.
 
 The G completions of a prompt share its prefill: the prompt's KV cache is computed once and
-repeated to the G rows. Decoding stops when every row is done (a stop token or stop sequence),
-or after `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
+repeated to the G rows; Gemma 3 then decodes with `models.decode` (a slot-major cache).
+Decoding stops when every row is done (a stop token or stop sequence), or after
+`max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
 No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages
 and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary blocks.
 
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from reasoner import heads
 from reasoner import mesh as mesh_lib
 from reasoner.data.sources import DataError
+from reasoner.models import decode
 
 log = logging.getLogger("reasoner")
 
@@ -204,7 +206,9 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask), cache,
                                       causal_mask(prompt_mask, size))
   rep = lambda x: jnp.repeat(x, g, axis=0)
-  cache = shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
+  cache = jax.tree.map(rep, cache)
+  slot_major = decode.applies(model)  # Gemma 3: `models.decode`; Gemma 2: Tunix's layers
+  cache = decode.slot_major(cache, mesh) if slot_major else shard_cache(cache, tcfg, mesh)
   last = rep(hidden[:, -1])
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   kv_mask = rep(jnp.pad(prompt_mask, ((0, 0), (0, n))))
@@ -223,8 +227,9 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
     hit = _stop_hit(tok, tail, stop_ids, table, table_valid)
     kv_mask = s.kv_mask.at[:, p + s.step].set(True)
+    slot = p + s.step if slot_major else None
     h, cache = step_model.hidden_states(tok[:, None], (prompt_len + s.step)[:, None], s.cache,
-                                   kv_mask[:, None, :])
+                                        kv_mask[:, None, :], slot=slot)
     return _Loop(
         step=s.step + 1,
         tokens=s.tokens.at[:, s.step].set(tok),

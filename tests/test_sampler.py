@@ -11,8 +11,9 @@ from flax import nnx
 from conftest import tiny_config
 from reasoner import heads, mesh as mesh_lib
 from reasoner.build import build
+from reasoner.models import decode
 from reasoner.config import MeshConfig
-from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, next_token,
+from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, init_cache, next_token,
                               positions_from_mask, sample_token)
 from reasoner.trainer import Trainer, build_batch
 
@@ -46,6 +47,33 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
     ids = setup.tokenizer.encode(p, add_bos=True)
     assert comps.tokens[row].tolist() == full_forward_greedy(setup, ids, 6)
   assert comps.mask.all()
+
+
+def test_slot_major_decode_step_equals_tunix(setup):
+  """`models.decode` (through `hidden_states(..., slot=)`, where qwix applies LoRA) against
+  Tunix's decode step: two steps after a left-padded prefill longer than the tiny model's
+  16-slot sliding window, so the window and the padding both mask keys."""
+  model = setup.model()
+  assert decode.applies(model) and model.layers[0].attn.sliding_window_size == 16
+  b, p, n = 8, 24, 4
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(3, 200, (b, p)), jnp.int32)
+  valid = jnp.asarray(np.arange(p)[None] >= rng.integers(0, 6, (b, 1)))
+  cache = init_cache(model.config, b, p + n, jnp.float32)
+  _, cache = model.hidden_states(prompt, positions_from_mask(valid), cache,
+                                 causal_mask(valid, p + n))
+  ours = decode.slot_major(cache, setup.mesh)
+  kv_mask = jnp.pad(valid, ((0, 0), (0, n)))
+  for step in range(2):
+    tok = jnp.asarray(rng.integers(3, 200, (b, 1)), jnp.int32)
+    pos = jnp.sum(valid, -1, keepdims=True).astype(jnp.int32) + step
+    kv_mask = kv_mask.at[:, p + step].set(True)
+    h_ref, cache = model.hidden_states(tok, pos, cache, kv_mask[:, None])
+    h, ours = model.hidden_states(tok, pos, ours, kv_mask[:, None], slot=p + step)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
+    for name, c in cache.items():
+      for a, ref in zip(ours[name], (c["k"], c["v"])):
+        np.testing.assert_allclose(np.swapaxes(a, 0, 1), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_batch_of_one_is_not_truncated(setup):
@@ -178,3 +206,8 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert per_device == expected
   k = cache["layer_0"]["k"].addressable_shards[0].data
   assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)
+  # Gemma 3's decode layout (`models.decode`): the same blocks slot-major, no end_index
+  slots = jax.jit(lambda c: decode.slot_major(c, mesh))(cache)
+  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(slots))
+  assert per_device == expected - spec.num_layers * 4 * rows // mesh_shape[0]
+  assert slots["layer_0"][0].addressable_shards[0].data.shape == (size,) + k.shape[:1] + k.shape[2:]

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, ModelConfig
+from reasoner.models import decode
 from reasoner.models import layer as layer_lib
 
 Cache = dict[str, dict[str, jax.Array]]
@@ -38,6 +39,7 @@ class _HiddenStates:
       mesh: Mesh | None = None,
       local_mask: jax.Array | None = None,  # [B, T, S]: the sliding-window layers' mask
       tunix_attention: bool = False,
+      slot: jax.Array | None = None,  # one token a row on a slot-major cache (`models.decode`)
   ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
     """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
     in its own band (so it must hold the window already where that band is wider).
@@ -51,6 +53,8 @@ class _HiddenStates:
     `with mesh:` block and whenever the first device is a CPU (so in every ahead-of-time plan);
     unpinned, XLA split the activations along the model dimension like the weights and formed
     every row's [T, 6912] MLP partial sums on every chip (Gemma3-1B, v5e:2x4)."""
+    if slot is not None:  # here, not beside: qwix's LoRA intercepts this method only
+      return decode.hidden_states(self, tokens, positions, cache, slot, attention_mask)
     pin = ((lambda x: x) if mesh is None else
            lambda x: jax.lax.with_sharding_constraint(x, mesh_lib.activation_placement(mesh,
                                                                                       x.shape)))
