@@ -94,6 +94,12 @@ def kv_cache_bytes(spec_cfg: Any, rows: int, size: int, dtype, mesh: Mesh) -> in
                                 + -(-rows // fsdp) * 4)  # + end_index int32
 
 
+def slot_major_sharding(spec_cfg: Any, mesh: Mesh) -> NamedSharding:
+  """`cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H], `models.decode`)."""
+  rows, slots, *rest = cache_spec(spec_cfg, mesh)
+  return NamedSharding(mesh, P(slots, rows, *rest))
+
+
 def shard_cache(cache: dict, spec_cfg: Any, mesh: Mesh) -> dict:
   kv = NamedSharding(mesh, cache_spec(spec_cfg, mesh))
   rows = NamedSharding(mesh, P("fsdp"))
@@ -208,7 +214,8 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   rep = lambda x: jnp.repeat(x, g, axis=0)
   cache = jax.tree.map(rep, cache)
   slot_major = decode.applies(model)  # Gemma 3: `models.decode`; Gemma 2: Tunix's layers
-  cache = decode.slot_major(cache, mesh) if slot_major else shard_cache(cache, tcfg, mesh)
+  cache = (decode.slot_major(cache, slot_major_sharding(tcfg, mesh)) if slot_major
+           else shard_cache(cache, tcfg, mesh))
   last = rep(hidden[:, -1])
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   kv_mask = rep(jnp.pad(prompt_mask, ((0, 0), (0, n))))

@@ -14,7 +14,7 @@ from reasoner.build import build
 from reasoner.models import decode
 from reasoner.config import MeshConfig
 from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, init_cache, next_token,
-                              positions_from_mask, sample_token)
+                              positions_from_mask, sample_token, slot_major_sharding)
 from reasoner.trainer import Trainer, build_batch
 
 
@@ -62,7 +62,7 @@ def test_slot_major_decode_step_equals_tunix(setup):
   cache = init_cache(model.config, b, p + n, jnp.float32)
   _, cache = model.hidden_states(prompt, positions_from_mask(valid), cache,
                                  causal_mask(valid, p + n))
-  ours = decode.slot_major(cache, setup.mesh)
+  ours = decode.slot_major(cache, slot_major_sharding(model.config, setup.mesh))
   kv_mask = jnp.pad(valid, ((0, 0), (0, n)))
   for step in range(2):
     tok = jnp.asarray(rng.integers(3, 200, (b, 1)), jnp.int32)
@@ -190,7 +190,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   equal `kv_cache_bytes`, and each live shard holds exactly its block."""
   import types
 
-  from reasoner.sampler import init_cache, kv_cache_bytes, shard_cache
+  from reasoner.sampler import init_cache, kv_cache_bytes, shard_cache, slot_major_sharding
 
   spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
   mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))
@@ -207,7 +207,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   k = cache["layer_0"]["k"].addressable_shards[0].data
   assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)
   # Gemma 3's decode layout (`models.decode`): the same blocks slot-major, no end_index
-  slots = jax.jit(lambda c: decode.slot_major(c, mesh))(cache)
+  slots = jax.jit(lambda c: decode.slot_major(c, slot_major_sharding(spec, mesh)))(cache)
   per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(slots))
   assert per_device == expected - spec.num_layers * 4 * rows // mesh_shape[0]
   assert slots["layer_0"][0].addressable_shards[0].data.shape == (size,) + k.shape[:1] + k.shape[2:]

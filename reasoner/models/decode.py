@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
 
@@ -33,16 +33,10 @@ def applies(model) -> bool:
   return all(isinstance(layer, gemma3_lib.DecoderLayer) for layer in model.layers)
 
 
-def slot_major(cache: dict, mesh: Mesh) -> dict[str, KV]:
-  """Tunix's per-layer {'k', 'v': [B, S, K, H]} -> (k, v) as [S, B, K, H]: rows over 'fsdp',
-  KV heads over 'tp' where they divide (as `reasoner.sampler.cache_spec`)."""
-  tp = mesh.shape["tp"]
-
-  def move(x):
-    heads = "tp" if tp > 1 and x.shape[2] % tp == 0 else None
-    return jax.lax.with_sharding_constraint(
-        jnp.swapaxes(x, 0, 1), NamedSharding(mesh, P(None, "fsdp", heads, None)))
-
+def slot_major(cache: dict, sharding: NamedSharding) -> dict[str, KV]:
+  """Tunix's per-layer {'k', 'v': [B, S, K, H]} -> (k, v) as [S, B, K, H], placed by
+  `sharding` (the sampler's `cache_spec` with its first two axes swapped)."""
+  move = lambda x: jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), sharding)
   return {name: (move(c["k"]), move(c["v"])) for name, c in cache.items()}
 
 
