@@ -199,7 +199,7 @@ def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
 
 def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
   """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
-  from reasoner.sampler import Sampler, SamplingConfig, decoded_rows, prompt_layout
+  from reasoner.sampler import Sampler, SamplingConfig, prompt_layout
 
   graphdef, lora, base = model
   r = cfg.rollout
@@ -215,18 +215,19 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
   out = compile_plan(sampler._generate, args,
                      {"cfg": scfg, "num_generations": r.num_generations // c},
                      "rollout", prompts, prompts * r.num_generations, chip)
-  out.kv_cache = kv_cache(cfg, mesh, decoded_rows(mesh, prompts, r.num_generations))
+  out.kv_cache = kv_cache(cfg, mesh, u, r.num_generations // c)
   return out
 
 
-def kv_cache(cfg: Config, mesh: Mesh, rows: int) -> int:
-  """Per-chip KV cache bytes of a rollout of `rows` sequences, as the sampler lays it out."""
+def kv_cache(cfg: Config, mesh: Mesh, prompts: int, g: int) -> int:
+  """Per-chip KV cache bytes of a rollout of `prompts` x `g` rows, as the sampler lays it out."""
   from reasoner.models import gemma
   from reasoner.sampler import kv_cache_bytes
 
-  t = gemma.model_spec(cfg.model, _vocab(cfg)).tunix_config
-  size = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-  return kv_cache_bytes(t, rows, size, cfg.model.dtype, mesh)
+  spec = gemma.model_spec(cfg.model, _vocab(cfg))
+  return kv_cache_bytes(spec.tunix_config, prompts, g, cfg.data.max_prompt_tokens,
+                        cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
+                        shared=spec.family == "gemma3")
 
 
 # ---------------------------------------------------------------------------- the search

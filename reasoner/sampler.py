@@ -1,7 +1,8 @@
 """Batched sampling for rollouts and evaluation: one prefill per prompt, one `lax.while_loop`.
 
-The G completions of a prompt share its prefill: the prompt's KV cache is computed once and
-repeated to the G rows; Gemma 3 then decodes with `models.decode` (a slot-major cache).
+The G completions of a prompt share its prefill: the prompt's KV cache is computed once. Gemma 3
+decodes with `models.decode`, which keeps it once for the group (a slot-major cache); Gemma 2
+repeats it to the G rows and decodes with Tunix's layers.
 Decoding stops when every row is done (a stop token or stop sequence), or after
 `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
 No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages
@@ -82,20 +83,25 @@ def cache_spec(spec_cfg: Any, mesh: Mesh) -> P:
   return P("fsdp", None, "tp" if tp > 1 and spec_cfg.num_kv_heads % tp == 0 else None, None)
 
 
-def kv_cache_bytes(spec_cfg: Any, rows: int, size: int, dtype, mesh: Mesh) -> int:
-  """Bytes of KV cache one chip holds for `rows` sequences of `size` slots (the sampler's
-  layout, `cache_spec`): the figure the planner's compiled rollout step must agree with."""
-  fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+def kv_cache_bytes(spec_cfg: Any, prompts: int, g: int, prompt_len: int, new_tokens: int,
+                   dtype, mesh: Mesh, shared: bool) -> int:
+  """Bytes of KV cache one chip holds for a rollout of `prompts` x `g` rows (`prompts` a
+  multiple of 'fsdp'), as the sampler lays it out: shared (Gemma 3, `decode.Cache`), each
+  prompt's slots once and each row's new slots; otherwise (Gemma 2, Tunix's cache) each row's
+  prompt and new slots and an int32 end_index. The planner's compiled figure must agree."""
   heads_per_chip = spec_cfg.num_kv_heads
   if cache_spec(spec_cfg, mesh)[2] == "tp":
-    heads_per_chip //= tp
-  per_layer = 2 * -(-rows // fsdp) * size * heads_per_chip * spec_cfg.head_dim
-  return spec_cfg.num_layers * (per_layer * jnp.dtype(dtype).itemsize
-                                + -(-rows // fsdp) * 4)  # + end_index int32
+    heads_per_chip //= mesh.shape["tp"]
+  per_slot = 2 * heads_per_chip * spec_cfg.head_dim * jnp.dtype(dtype).itemsize
+  b = -(-prompts // mesh.shape["fsdp"])  # prompts per chip
+  if shared:
+    return spec_cfg.num_layers * (b * prompt_len + b * g * new_tokens) * per_slot
+  return spec_cfg.num_layers * b * g * ((prompt_len + new_tokens) * per_slot + 4)
 
 
 def slot_major_sharding(spec_cfg: Any, mesh: Mesh) -> NamedSharding:
-  """`cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H], `models.decode`)."""
+  """`cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H], `models.decode`):
+  its prompt part splits prompts over 'fsdp', its new part rows (grouped by prompt)."""
   rows, slots, *rest = cache_spec(spec_cfg, mesh)
   return NamedSharding(mesh, P(slots, rows, *rest))
 
@@ -189,7 +195,6 @@ class _Loop(NamedTuple):
   tail: jax.Array
   hidden: jax.Array
   cache: dict
-  kv_mask: jax.Array
   key: jax.Array
 
 
@@ -204,22 +209,35 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   tcfg = model.config
   b, p = prompt.shape
   n, g = cfg.max_new_tokens, num_generations
-  size = p + n
+  rows = b * g
   emb = model.embedding()
+  rep = lambda x: jnp.repeat(x, g, axis=0)
+  prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
+  shared = decode.applies(model)  # Gemma 3: `models.decode`, each prompt's cache held once
 
-  # Prefill once per prompt, then repeat the cache to the G rows of its group.
+  # Prefill once per prompt.
+  size = p if shared else p + n
   cache = init_cache(tcfg, b, size, emb.dtype)
   hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask), cache,
                                       causal_mask(prompt_mask, size))
-  rep = lambda x: jnp.repeat(x, g, axis=0)
-  cache = jax.tree.map(rep, cache)
-  slot_major = decode.applies(model)  # Gemma 3: `models.decode`; Gemma 2: Tunix's layers
-  cache = (decode.slot_major(cache, slot_major_sharding(tcfg, mesh)) if slot_major
-           else shard_cache(cache, tcfg, mesh))
-  last = rep(hidden[:, -1])
-  prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
-  kv_mask = rep(jnp.pad(prompt_mask, ((0, 0), (0, n))))
-  rows = b * g
+  if shared:
+    sharding = slot_major_sharding(tcfg, mesh)
+    prompt_kv = decode.from_prefill(cache, sharding)
+    cache = decode.empty(tcfg, rows, n, emb.dtype, sharding)
+  else:  # Gemma 2 decodes with Tunix's layers: the prompt's cache repeated to its G rows
+    cache = shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
+
+  def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """[rows] tokens, the step-th new one of each row -> [rows, D] hidden states, cache."""
+    pos = (prompt_len + step)[:, None]
+    if shared:
+      h, c = m.hidden_states(tok[:, None], pos, decode.Cache(prompt_kv, cache), prompt_mask,
+                             step=step)
+      return h[:, 0], c.new
+    fresh = jnp.broadcast_to(jnp.arange(n) <= step, (rows, n))
+    seen = jnp.concatenate([rep(prompt_mask), fresh], axis=1)
+    h, c = m.hidden_states(tok[:, None], pos, cache, seen[:, None, :])
+    return h[:, 0], c
 
   stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
   table, table_valid = (jnp.asarray(a) for a in _stop_table(cfg))
@@ -233,17 +251,14 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     live = ~s.done
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
     hit = _stop_hit(tok, tail, stop_ids, table, table_valid)
-    kv_mask = s.kv_mask.at[:, p + s.step].set(True)
-    slot = p + s.step if slot_major else None
-    h, cache = step_model.hidden_states(tok[:, None], (prompt_len + s.step)[:, None], s.cache,
-                                        kv_mask[:, None, :], slot=slot)
+    h, cache = forward(step_model, tok, s.step, s.cache)
     return _Loop(
         step=s.step + 1,
         tokens=s.tokens.at[:, s.step].set(tok),
         logps=s.logps.at[:, s.step].set(jnp.where(live, logp, 0.0)),
         valid=s.valid.at[:, s.step].set(live),
         done=s.done | (live & hit),
-        tail=tail, hidden=h[:, 0], cache=cache, kv_mask=kv_mask, key=key)
+        tail=tail, hidden=h, cache=cache, key=key)
 
   def cond(s: _Loop) -> jax.Array:
     return (s.step < n) & ~jnp.all(s.done)
@@ -252,7 +267,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
       step=jnp.int32(0), tokens=jnp.full((rows, n), cfg.pad_id, jnp.int32),
       logps=jnp.zeros((rows, n), jnp.float32), valid=jnp.zeros((rows, n), bool),
       done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
-      hidden=last, cache=cache, kv_mask=kv_mask, key=key)
+      hidden=rep(hidden[:, -1]), cache=cache, key=key)
   out = jax.lax.while_loop(cond, body, init)
   return out.tokens, out.valid, out.logps
 

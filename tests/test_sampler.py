@@ -49,31 +49,42 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
   assert comps.mask.all()
 
 
-def test_slot_major_decode_step_equals_tunix(setup):
-  """`models.decode` (through `hidden_states(..., slot=)`, where qwix applies LoRA) against
-  Tunix's decode step: two steps after a left-padded prefill longer than the tiny model's
-  16-slot sliding window, so the window and the padding both mask keys."""
+def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
+  """`models.decode` (through `hidden_states(..., step=)`, where qwix applies LoRA) against
+  Tunix's decode on the prompt's cache repeated to the G rows: three steps, crossing from the
+  first span of the new-token cache to the second, after a left-padded prefill longer than
+  the tiny model's 16-slot sliding window, so the window and the padding both mask keys."""
   model = setup.model()
   assert decode.applies(model) and model.layers[0].attn.sliding_window_size == 16
-  b, p, n = 8, 24, 4
+  b, g, p, n = 8, 2, 24, 8
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(3, 200, (b, p)), jnp.int32)
   valid = jnp.asarray(np.arange(p)[None] >= rng.integers(0, 6, (b, 1)))
-  cache = init_cache(model.config, b, p + n, jnp.float32)
-  _, cache = model.hidden_states(prompt, positions_from_mask(valid), cache,
+  rep = lambda x: jnp.repeat(x, g, axis=0)
+  _, cache = model.hidden_states(prompt, positions_from_mask(valid),
+                                 init_cache(model.config, b, p + n, jnp.float32),
                                  causal_mask(valid, p + n))
-  ours = decode.slot_major(cache, slot_major_sharding(model.config, setup.mesh))
-  kv_mask = jnp.pad(valid, ((0, 0), (0, n)))
-  for step in range(2):
-    tok = jnp.asarray(rng.integers(3, 200, (b, 1)), jnp.int32)
-    pos = jnp.sum(valid, -1, keepdims=True).astype(jnp.int32) + step
+  cache = jax.tree.map(rep, cache)
+  _, prefill = model.hidden_states(prompt, positions_from_mask(valid),
+                                   init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
+  slots = slot_major_sharding(model.config, setup.mesh)
+  ours = decode.Cache(decode.from_prefill(prefill, slots),
+                      decode.empty(model.config, b * g, n, jnp.float32, slots))
+  assert decode.spans(n) == (2, 4, 6, 8)
+  kv_mask = rep(jnp.pad(valid, ((0, 0), (0, n))))
+  for step in range(3):
+    tok = jnp.asarray(rng.integers(3, 200, (b * g, 1)), jnp.int32)
+    pos = rep(jnp.sum(valid, -1, keepdims=True)).astype(jnp.int32) + step
     kv_mask = kv_mask.at[:, p + step].set(True)
     h_ref, cache = model.hidden_states(tok, pos, cache, kv_mask[:, None])
-    h, ours = model.hidden_states(tok, pos, ours, kv_mask[:, None], slot=p + step)
+    h, ours = model.hidden_states(tok, pos, ours, valid, step=jnp.int32(step))
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
-    for name, c in cache.items():
-      for a, ref in zip(ours[name], (c["k"], c["v"])):
-        np.testing.assert_allclose(np.swapaxes(a, 0, 1), ref, rtol=1e-5, atol=1e-5)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  for name, c in cache.items():
+    for prompt_part, new_part, full in zip(ours.prompt[name], ours.new[name], (c["k"], c["v"])):
+      real = np.asarray(valid)  # (a padding slot's keys depend on the cache's length)
+      close(np.swapaxes(prompt_part, 0, 1)[real], full[::g, :p][real])  # once, not G times
+      close(np.swapaxes(new_part, 0, 1), full[:, p:])  # unwritten slots zero in both
 
 
 def test_batch_of_one_is_not_truncated(setup):
@@ -186,7 +197,7 @@ def test_prompt_buckets_bound_the_compiles(setup):
 
 @pytest.mark.parametrize("kv_heads,mesh_shape", [(1, (4, 2)), (2, (4, 2)), (1, (8, 1))])
 def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_shape):
-  """The sampler's cache layout, compiled for 8 devices: the per-device output bytes XLA plans
+  """Both cache layouts of the sampler, compiled for 8 devices: the per-device bytes XLA plans
   equal `kv_cache_bytes`, and each live shard holds exactly its block."""
   import types
 
@@ -194,10 +205,11 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
 
   spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
   mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))
-  rows, size = 16, 40
+  prompts, g, p, n = 8, 2, 24, 16
+  rows, size = prompts * g, p + n
   make = jax.jit(lambda: shard_cache(init_cache(spec, rows, size, jnp.bfloat16), spec, mesh))
   compiled = make.lower().compile()
-  expected = kv_cache_bytes(spec, rows, size, jnp.bfloat16, mesh)
+  expected = kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh, shared=False)
   cache = make()
   # XLA's output figure also counts the output tuple's table of 8-byte buffer pointers.
   tuple_table = 8 * len(jax.tree.leaves(cache))
@@ -206,8 +218,19 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert per_device == expected
   k = cache["layer_0"]["k"].addressable_shards[0].data
   assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)
-  # Gemma 3's decode layout (`models.decode`): the same blocks slot-major, no end_index
-  slots = jax.jit(lambda c: decode.slot_major(c, slot_major_sharding(spec, mesh)))(cache)
-  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(slots))
-  assert per_device == expected - spec.num_layers * 4 * rows // mesh_shape[0]
-  assert slots["layer_0"][0].addressable_shards[0].data.shape == (size,) + k.shape[:1] + k.shape[2:]
+  # Gemma 3's decode layout (`models.decode.Cache`): each prompt's slots once, rows' new slots
+  slots = slot_major_sharding(spec, mesh)
+  make = jax.jit(lambda: decode.Cache(
+      decode.from_prefill(shard_cache(init_cache(spec, prompts, p, jnp.bfloat16), spec, mesh),
+                          slots), decode.empty(spec, rows, n, jnp.bfloat16, slots)))
+  compiled, shared = make.lower().compile(), make()
+  expected = kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh, shared=True)
+  assert compiled.memory_analysis().output_size_in_bytes == expected + 8 * 4 * spec.num_layers
+  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(shared))
+  assert per_device == expected < kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh,
+                                                 shared=False)
+  heads = k.shape[2:]
+  assert shared.prompt["layer_0"][0].addressable_shards[0].data.shape == (
+      p, prompts // mesh_shape[0]) + heads
+  assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (n, k.shape[0]) + heads
+

@@ -1,14 +1,19 @@
-"""Gemma 3's one-token decode step on a slot-major KV cache ([S, B, K, H] per layer).
+"""Gemma 3's one-token decode step on a slot-major KV cache that holds each prompt once.
 
-Tunix keeps the cache as [B, S, K, H] and writes each step's keys and values into it with a
-`dynamic_update_slice` at slot `end_index`. On XLA:CPU that layout cost the 270M model most of
-its decode step: the per-row attention dots run as batched dots below matmul speed, and the
-update is fused into each of its consumers, each on a copy of the cache (128 rows, 192 slots:
-one layer's decode call 124 ms, 102 of them attention; the 18 layers 1.7 s a step). Here the
-step's keys and values go in as one contiguous [B, K, H] slab at their slot, behind an
-optimization barrier so that the update happens once, in place; the same layers then took
-0.8-0.9 s a step (an 8-step loop outside the sampler; the whole 4 x 8 rollout of
-`make bench BENCH=rollout`, same tokens, ran 1.13x faster).
+Layout. `Cache.prompt` holds each prompt's keys and values once for its whole group
+([P, prompts, K, H] per layer, written by the prefill); `Cache.new` holds the generated tokens'
+([N, prompts * G, K, H], slot j = each row's j-th new token). Rows are grouped by prompt, so
+row r reads prompt r // G. Against the prompt's cache repeated to the G rows this reads the
+prompt's keys once per group instead of G times, and holds 1 / G of the prompt's bytes.
+
+Why slot-major. Tunix keeps [B, S, K, H] and writes each step with a `dynamic_update_slice` at
+`end_index`; on XLA:CPU the per-row attention dots ran below matmul speed and the update was
+fused into each consumer on a copy of the cache (128 rows, 192 slots: one layer's decode call
+124 ms, 102 of them attention). Here a step's keys and values go in as one contiguous [B, K, H]
+slab at their slot, behind an optimization barrier so that the update happens once, in place.
+
+Only the filled part of `Cache.new` is read: the step picks (`lax.switch`) the shortest of a
+few static spans (quarters of N) that covers its slot, so on average 5/8 of N slots instead of N.
 
 The forward is Tunix's `Attention.block` / `DecoderLayer` for one token (norms, rotary
 embedding, masked logits, float32 softmax, output projection, MLP) on the layer's own modules,
@@ -19,11 +24,18 @@ decode (`reasoner.sampler.generate`).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
+
+
+class Cache(NamedTuple):
+  prompt: dict[str, KV]  # [P, prompts, K, H] per layer: each prompt once, read by its G rows
+  new: dict[str, KV]  # [N, prompts * G, K, H] per layer: slot j = each row's j-th new token
 
 
 def applies(model) -> bool:
@@ -33,15 +45,28 @@ def applies(model) -> bool:
   return all(isinstance(layer, gemma3_lib.DecoderLayer) for layer in model.layers)
 
 
-def slot_major(cache: dict, sharding: NamedSharding) -> dict[str, KV]:
+def from_prefill(cache: dict, sharding: NamedSharding) -> dict[str, KV]:
   """Tunix's per-layer {'k', 'v': [B, S, K, H]} -> (k, v) as [S, B, K, H], placed by
   `sharding` (the sampler's `cache_spec` with its first two axes swapped)."""
   move = lambda x: jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), sharding)
   return {name: (move(c["k"]), move(c["v"])) for name, c in cache.items()}
 
 
-def _attention(attn, x, positions, kv: KV, slot, mask):
-  """Tunix's `Attention.block` for one token per row; `mask` [B, S] the keys each row sees."""
+def empty(spec_cfg: Any, rows: int, slots: int, dtype, sharding: NamedSharding) -> dict[str, KV]:
+  """Zeroed `Cache.new` for `rows` rows of `slots` new tokens, born in its shards."""
+  shape = (slots, rows, spec_cfg.num_kv_heads, spec_cfg.head_dim)
+  zeros = lambda: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+  return {f"layer_{i}": (zeros(), zeros()) for i in range(spec_cfg.num_layers)}
+
+
+def spans(n: int, parts: int = 4) -> tuple[int, ...]:
+  """The static lengths of `Cache.new` a step may read: the quarters of n (fewer if n < 4)."""
+  return tuple(sorted({-(-n * (i + 1) // parts) for i in range(parts)}))
+
+
+def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask):
+  """Tunix's `Attention.block` for one token per row: x [B, 1, D]; the row's new key and value
+  go to slot `step` of `new`; it sees its prompt's unmasked slots and new slots <= step."""
   from tunix.models.gemma3 import model as gemma3_lib
 
   if attn.use_qkv_einsum:
@@ -54,32 +79,53 @@ def _attention(attn, x, positions, kv: KV, slot, mask):
                                          base_frequency=attn.rope_base_frequency,
                                          scale_factor=attn.rope_scale_factor)
   q, k = rope(q) * attn.query_pre_attn_scalar, rope(k)
-  keys, values = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(new, 0, 1), (slot, 0, 0, 0))
-                  for c, new in zip(kv, (k, v)))
+  keys, values = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 0, 1), (step, 0, 0, 0))
+                  for c, a in zip(new, (k, v)))
   keys, values = jax.lax.optimization_barrier((keys, values))  # one in-place update
-  b, _, n, h = q.shape
-  kh = keys.shape[2]
-  logits = jnp.einsum("BKGH,SBKH->BKGS", q.reshape(b, kh, n // kh, h), keys)
-  if attn.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING:
-    mask = mask & (jnp.arange(mask.shape[1]) > slot - attn.sliding_window_size)[None]
-  logits = jnp.where(mask[:, None, None, :], logits, gemma3_lib.K_MASK)
-  probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
-  encoded = jnp.einsum("BKGS,SBKH->BKGH", probs, values).reshape(b, 1, n, h)
-  return (keys, values), attn.attn_vec_einsum(encoded)
+
+  pk, pv = prompt
+  p, b = pk.shape[:2]
+  rows, _, n, h = q.shape
+  kh = pk.shape[2]
+  g = rows // b
+  q = q.reshape(b, g, kh, n // kh, h)
+  window = (attn.sliding_window_size
+            if attn.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING else None)
+  seen = prompt_mask  # [b, P]; the newest slot is p + step
+  if window is not None:
+    seen = seen & (jnp.arange(p) > p + step - window)[None]
+  lp = jnp.einsum("bgKGH,SbKH->bgKGS", q, pk)
+  lp = jnp.where(seen[:, None, None, None, :], lp, gemma3_lib.K_MASK)
+
+  def attend(span: int):
+    def f(keys, values):
+      ks, vs = (a[:span].reshape(span, b, g, kh, h) for a in (keys, values))
+      j = jnp.arange(span)
+      fresh = (j <= step) if window is None else (j <= step) & (j > step - window)
+      ln = jnp.where(fresh, jnp.einsum("bgKGH,SbgKH->bgKGS", q, ks), gemma3_lib.K_MASK)
+      probs = jax.nn.softmax(jnp.concatenate([lp, ln], axis=-1), axis=-1).astype(vs.dtype)
+      return (jnp.einsum("bgKGS,SbKH->bgKGH", probs[..., :p], pv)
+              + jnp.einsum("bgKGS,SbgKH->bgKGH", probs[..., p:], vs))
+    return f
+
+  lengths = spans(keys.shape[0])
+  pick = jnp.searchsorted(jnp.asarray(lengths), step, side="right")  # shortest span > step
+  encoded = jax.lax.switch(pick, [attend(s) for s in lengths], keys, values)
+  return (keys, values), attn.attn_vec_einsum(encoded.reshape(rows, 1, n, h))
 
 
-def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: dict[str, KV],
-                  slot: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, KV]]:
-  """tokens, positions [B, 1] (each row's newest token, written at cache slot `slot`); mask
-  [B, 1, S] the slots each row sees, the newest included -> [B, 1, D] after the final norm,
-  and the updated cache. Called through the model's `hidden_states(..., slot=)`, the method
-  qwix intercepts for LoRA."""
+def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
+                  step: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, Cache]:
+  """tokens, positions [B, 1] (each row's `step`-th new token); prompt_mask [prompts, P] the
+  prompt slots that hold real tokens -> [B, 1, D] after the final norm, and the cache with
+  the step's keys and values written. Called through the model's `hidden_states(...,
+  step=)`, the method qwix intercepts for LoRA."""
   x = model.embedder.encode(tokens)
   new = {}
   for i, layer in enumerate(model.layers):
     name = f"layer_{i}"
-    new[name], out = _attention(layer.attn, layer.pre_attention_norm(x), positions, cache[name],
-                                slot, mask[:, 0])
+    new[name], out = _attention(layer.attn, layer.pre_attention_norm(x), positions,
+                                cache.prompt[name], cache.new[name], step, prompt_mask)
     x = layer.post_attention_norm(out) + x
     x = layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x
-  return model.final_norm(x), new
+  return model.final_norm(x), Cache(cache.prompt, new)

@@ -34,12 +34,12 @@ class _HiddenStates:
       self,
       tokens: jax.Array,  # [B, T] int32
       positions: jax.Array,  # [B, T] int32
-      cache: Cache | None,  # per layer {'k','v': [B, S, K, H], 'end_index': [B]}
-      attention_mask: jax.Array,  # [B, T, S] bool (S = T without a cache)
+      cache: Cache | decode.Cache | None,  # per layer {'k','v': [B, S, K, H], 'end_index': [B]}
+      attention_mask: jax.Array,  # [B, T, S] bool (S = T without a cache); with step: [b, P]
       mesh: Mesh | None = None,
       local_mask: jax.Array | None = None,  # [B, T, S]: the sliding-window layers' mask
       tunix_attention: bool = False,
-      slot: jax.Array | None = None,  # one token a row on a slot-major cache (`models.decode`)
+      step: jax.Array | None = None,  # one new token a row on a `decode.Cache` (Gemma 3)
   ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
     """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
     in its own band (so it must hold the window already where that band is wider).
@@ -53,8 +53,8 @@ class _HiddenStates:
     `with mesh:` block and whenever the first device is a CPU (so in every ahead-of-time plan);
     unpinned, XLA split the activations along the model dimension like the weights and formed
     every row's [T, 6912] MLP partial sums on every chip (Gemma3-1B, v5e:2x4)."""
-    if slot is not None:  # here, not beside: qwix's LoRA intercepts this method only
-      return decode.hidden_states(self, tokens, positions, cache, slot, attention_mask)
+    if step is not None:  # here, not beside: qwix's LoRA intercepts this method only
+      return decode.hidden_states(self, tokens, positions, cache, step, attention_mask)
     pin = ((lambda x: x) if mesh is None else
            lambda x: jax.lax.with_sharding_constraint(x, mesh_lib.activation_placement(mesh,
                                                                                       x.shape)))
