@@ -198,6 +198,26 @@ class _Loop(NamedTuple):
   key: jax.Array
 
 
+def _prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
+             shared: bool) -> tuple[jax.Array, dict | None, dict]:
+  """Each prompt once through the model -> its last hidden state [B, D] and the decode cache:
+  shared (`models.decode`), the prompts' keys and values and an empty cache for the B * G rows'
+  N new tokens; otherwise (Gemma 2, Tunix's decode) the prompt's cache repeated to its G rows,
+  with room for N more."""
+  tcfg, dtype = model.config, model.embedding().dtype
+  b, p = prompt.shape
+  size = p if shared else p + n
+  hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask),
+                                      init_cache(tcfg, b, size, dtype),
+                                      causal_mask(prompt_mask, size))
+  if not shared:
+    rep = lambda x: jnp.repeat(x, g, axis=0)
+    return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
+  sharding = slot_major_sharding(tcfg, mesh)
+  return (hidden[:, -1], decode.from_prefill(cache, sharding),
+          decode.empty(tcfg, b * g, n, dtype, sharding))
+
+
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, *, cfg: SamplingConfig, num_generations: int):
   """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt).
@@ -206,26 +226,13 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   are split over 'fsdp', KV heads over 'tp'.
   """
   model = nnx.merge(graphdef, *states)
-  tcfg = model.config
-  b, p = prompt.shape
   n, g = cfg.max_new_tokens, num_generations
-  rows = b * g
+  rows = prompt.shape[0] * g
   emb = model.embedding()
   rep = lambda x: jnp.repeat(x, g, axis=0)
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   shared = decode.applies(model)  # Gemma 3: `models.decode`, each prompt's cache held once
-
-  # Prefill once per prompt.
-  size = p if shared else p + n
-  cache = init_cache(tcfg, b, size, emb.dtype)
-  hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask), cache,
-                                      causal_mask(prompt_mask, size))
-  if shared:
-    sharding = slot_major_sharding(tcfg, mesh)
-    prompt_kv = decode.from_prefill(cache, sharding)
-    cache = decode.empty(tcfg, rows, n, emb.dtype, sharding)
-  else:  # Gemma 2 decodes with Tunix's layers: the prompt's cache repeated to its G rows
-    cache = shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
+  hidden, prompt_kv, cache = _prefill(model, mesh, prompt, prompt_mask, g, n, shared)
 
   def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """[rows] tokens, the step-th new one of each row -> [rows, D] hidden states, cache."""
@@ -267,7 +274,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
       step=jnp.int32(0), tokens=jnp.full((rows, n), cfg.pad_id, jnp.int32),
       logps=jnp.zeros((rows, n), jnp.float32), valid=jnp.zeros((rows, n), bool),
       done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
-      hidden=rep(hidden[:, -1]), cache=cache, key=key)
+      hidden=rep(hidden), cache=cache, key=key)
   out = jax.lax.while_loop(cond, body, init)
   return out.tokens, out.valid, out.logps
 

@@ -77,8 +77,10 @@ def test_model_with_our_attention_matches_tunix(remat):
   grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
   (_, h), grads = grad(model, False)
   (_, h_ref), ref = grad(model, True)
+  # The tiny random model amplifies rounding at a few positions: moving its LoRA weights by
+  # 1e-6 (relative) moves those by up to 2e-4 on an AVX-512 host, in Tunix's path as in ours.
   np.testing.assert_allclose(np.asarray(h)[np.asarray(valid)],
-                             np.asarray(h_ref)[np.asarray(valid)], rtol=1e-5, atol=1e-5)
+                             np.asarray(h_ref)[np.asarray(valid)], rtol=1e-5, atol=1e-3)
   assert any("q_einsum" in str(p) for p, _ in nnx.to_flat_state(ref))
   scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ref))
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
@@ -113,15 +115,17 @@ def _elements(lines: list[str]) -> int:
              for l in lines if not l.startswith(("f32[]", "i32[]")))
 
 
-@pytest.mark.parametrize("remat", ["none", "decoder"])  # block: Tunix's arrangement
+@pytest.mark.parametrize("remat", ["none", "block", "decoder"])
 def test_layer_keeps_only_its_named_matmul_outputs(capsys, remat):
+  """block (Tunix's `nnx.remat` on each half): ours keeps what Tunix's keeps."""
   (ours, hidden), (tunix, _) = (_saved_residuals(capsys, remat, t) for t in (False, True))
   named = {m.group(1) for l in ours if (m := re.search(r"named '(\w+)'", l))}
-  assert named == set(layer.SAVED[remat])
+  if remat != "block":  # block: the norm after the MLP keeps its input, ffw_out, as Tunix's
+    assert named == set(layer.SAVED[remat])
   wide = lambda lines: sum(re.match(rf"f32\[[\d,]*,{hidden}\]", l) is not None for l in lines)
   if remat == "none":
     assert wide(ours) == 2  # gate and up
     assert wide(tunix) >= 5  # the gelu's pieces too: the test can fail
     assert _elements(ours) < _elements(tunix), (ours, tunix)
-  else:  # decoder: both keep only the layer's input
+  else:  # decoder: both keep only the layer's input; block: each half's inputs
     assert wide(ours) == wide(tunix) == 0 and _elements(ours) == _elements(tunix)
