@@ -382,12 +382,6 @@ def prompt_layout(mesh: Mesh, prompts: int, g: int) -> tuple[int, int]:
   return c, (-prompts * c) % mesh.shape["fsdp"]
 
 
-def decoded_rows(mesh: Mesh, prompts: int, g: int) -> int:
-  """Rows the decode loop runs for prompts x G (padding prompts' rows included)."""
-  c, extra = prompt_layout(mesh, prompts, g)
-  return (prompts * c + extra) * (g // c)
-
-
 def to_host(x: jax.Array) -> np.ndarray:
   """The whole array on this host; on several hosts, gathered from all processes."""
   if x.is_fully_addressable:

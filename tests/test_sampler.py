@@ -162,7 +162,7 @@ def test_one_device_and_eight_devices_agree(setup):
 def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
   """2 prompts x G = 4 on 8 devices: 8 prompt copies of one row each (no padded prompts whose
   rows are thrown away); greedy rows equal the full forward's, grouped by prompt."""
-  from reasoner.sampler import decoded_rows
+  from reasoner.sampler import prompt_layout
 
   assert setup.mesh.shape["fsdp"] == 8
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
@@ -172,8 +172,8 @@ def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
                                   num_generations=4)
   assert [s[0] for s in sampler.compiled_shapes] == [8]  # prompts run: 8 copies, 1 row each
   assert [s[3] for s in sampler.compiled_shapes] == [1]
-  assert decoded_rows(setup.mesh, 2, 4) == 8  # what the planner sizes the KV cache for
-  assert decoded_rows(setup.mesh, 3, 4) == 32  # no copies: 3 + 5 padding prompts x 4 rows
+  assert prompt_layout(setup.mesh, 2, 4) == (4, 0)  # as the planner compiles and sizes it
+  assert prompt_layout(setup.mesh, 3, 4) == (1, 5)  # no copies: 3 + 5 padding prompts x 4 rows
   assert comps.tokens.shape == (8, 4) and toks.shape[0] == 2
   for row in range(8):
     ids = setup.tokenizer.encode(prompts[row // 4], add_bos=True)
