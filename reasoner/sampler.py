@@ -233,6 +233,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   shared = decode.applies(model)  # Gemma 3: `models.decode`, each prompt's cache held once
   hidden, prompt_kv, cache = _prefill(model, mesh, prompt, prompt_mask, g, n, shared)
+  row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
   def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """[rows] tokens, the step-th new one of each row -> [rows, D] hidden states, cache."""
@@ -242,7 +243,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
                              step=step)
       return h[:, 0], c.new
     fresh = jnp.broadcast_to(jnp.arange(n) <= step, (rows, n))
-    seen = jnp.concatenate([rep(prompt_mask), fresh], axis=1)
+    seen = jnp.concatenate([row_prompt_mask, fresh], axis=1)
     h, c = m.hidden_states(tok[:, None], pos, cache, seen[:, None, :])
     return h[:, 0], c
 

@@ -49,6 +49,42 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
   assert comps.mask.all()
 
 
+def test_gemma2_greedy_decode_on_the_repeated_cache(setup):
+  """Gemma 2 keeps Tunix's decode on the prompt's cache repeated to its G rows: a tiny random
+  Gemma 2, greedy, each of the G rows equals the full forward's stepwise argmax. Its window
+  (128) spans the padded prompt, as gemma2-2b's 4,096 does: Tunix's Gemma 2 prefill differs
+  from the unpadded forward once the left padding is longer than the window."""
+  import dataclasses
+
+  from flax import nnx
+
+  from reasoner.models import gemma
+
+  _, gemma_lib, _, gemma2_cls = gemma.classes()
+  tcfg = dataclasses.replace(
+      gemma_lib.ModelConfig.gemma2_2b(), num_layers=2,
+      num_embed=setup.model().embedding().shape[0], embed_dim=64, hidden_dim=128, num_heads=2,
+      head_dim=32, num_kv_heads=1, sliding_window_size=128,
+      attention_types=gemma_lib.ModelConfig.gemma2_2b().attention_types[:2])
+  spec = gemma.ModelSpec(family="gemma2", tunix_config=tcfg, cls=gemma2_cls, dtype=jnp.float32)
+  model = gemma.init_random(spec, setup.mesh, 0)
+  assert not decode.applies(model)
+  graphdef, state = nnx.split(model)
+  sampler = Sampler(graphdef, setup.tokenizer, setup.mesh, 64)
+  cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
+  prompts = ["Question: 1 + 2?", "Q: 7?"]
+  comps, _, _ = sampler.sample((state,), prompts, jax.random.PRNGKey(0), cfg, num_generations=2)
+  for row in range(4):
+    ids = list(setup.tokenizer.encode(prompts[row // 2], add_bos=True))
+    for _ in range(5):
+      x = jnp.asarray([ids])
+      v = jnp.ones_like(x, bool)
+      h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
+      ids.append(int(jnp.argmax(heads.logits(h[0, -1], model.embedding(),
+                                             model.logit_softcap))))
+    assert comps.tokens[row].tolist() == ids[-5:]
+
+
 def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   """`models.decode` (through `hidden_states(..., step=)`, where qwix applies LoRA) against
   Tunix's decode on the prompt's cache repeated to the G rows: three steps, crossing from the

@@ -40,7 +40,7 @@ class _HiddenStates:
       local_mask: jax.Array | None = None,  # [B, T, S]: the sliding-window layers' mask
       tunix_attention: bool = False,
       step: jax.Array | None = None,  # one new token a row on a `decode.Cache` (Gemma 3)
-  ) -> tuple[jax.Array, Cache | None]:  # [B, T, D] after the final norm
+  ) -> tuple[jax.Array, Cache | decode.Cache | None]:  # [B, T, D] after the final norm
     """`local_mask` replaces `attention_mask` in sliding-window layers; Tunix then multiplies
     in its own band (so it must hold the window already where that band is wider).
 
