@@ -129,3 +129,45 @@ def test_layer_keeps_only_its_named_matmul_outputs(capsys, remat):
     assert _elements(ours) < _elements(tunix), (ours, tunix)
   else:  # decoder: both keep only the layer's input; block: each half's inputs
     assert wide(ours) == wide(tunix) == 0 and _elements(ours) == _elements(tunix)
+
+
+def _barriers(jaxpr) -> list:
+  """Every optimization_barrier in a jaxpr, its sub-jaxprs (remat, custom_vjp, pjit) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "optimization_barrier":
+      found.append(eqn)
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else (p,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += _barriers(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found += _barriers(sub)
+  return found
+
+
+@pytest.mark.parametrize("remat", ["none", "block", "decoder"])
+def test_each_layers_backward_waits_for_its_lora_gradients(remat, monkeypatch):
+  """With block and decoder remat, past the first layer, each layer's input cotangent leaves
+  its backward through one barrier with that layer's LoRA gradients (`layer.tied_gradients`);
+  with no remat, and without the tie, none does."""
+  setup = build(tiny_config(f"model.remat={remat}", "model.tiny_layers=3"))
+  graphdef, lora, rest = nnx.split(setup.model(setup.lora), nnx.LoRAParam, ...)
+  per_layer = len(jax.tree.leaves(lora["layers"][0]))
+  valid = jnp.ones((2, 7), bool)
+  width = setup.model(setup.lora).embedding().shape[1]
+
+  def tied() -> int:
+    def loss(lora):
+      m = nnx.merge(graphdef, lora, rest, copy=True)
+      h, _ = m.hidden_states(jnp.ones((2, 7), jnp.int32), positions_from_mask(valid), None,
+                             causal_mask(valid))
+      return jnp.sum(h)
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(lora).jaxpr
+    return sum(len(e.invars) == per_layer + 1 and e.invars[-1].aval.shape == (2, 7, width)
+               for e in _barriers(jaxpr))
+
+  assert per_layer >= 12  # a and b of q, kv, attention out, gate, up, down
+  assert tied() == (0 if remat == "none" else 2)  # layers 1 and 2
+  monkeypatch.setattr(layer, "tied_gradients", lambda layer, x, call: call(x))
+  assert tied() == 0

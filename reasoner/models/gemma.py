@@ -65,7 +65,7 @@ class _HiddenStates:
       mask = attention_mask if local_mask is None or not _sliding(layer) else local_mask
       call = layer
       if not tunix_attention and layer_lib.applies(layer, tokens.shape[1]):
-        call = functools.partial(layer_lib.decoder_layer, layer)
+        call = functools.partial(layer_lib.decoder_layer, layer, tie=i > 0)
       layer_cache, x = call(x, positions, cache[name] if cache else None, mask)
       x = pin(x)
       if cache is not None:
