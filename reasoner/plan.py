@@ -357,10 +357,10 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   else:
     mesh = Mesh(np.asarray(devices).reshape(fsdp, tp), mesh_lib.AXES)
     model = abstract_model(cfg, mesh)
-    # Remat changes nothing without a gradient, and the sampler cannot run Tunix's nnx.remat
-    # inside its decode loop (TraceContextError): the rollout is planned without it.
-    no_remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
-    gen = model if cfg.model.remat == "none" else abstract_model(no_remat, mesh)
+    from reasoner.models import gemma
+
+    # The rollout runs without remat, as `run.make_sampler` runs it (`gemma.without_remat`).
+    gen = model if cfg.model.remat == "none" else (gemma.without_remat(*model), *model[1:])
     measure = {"train": lambda u, m=None: train_plan(cfg, mesh, model, u, chip, micro=m),
                "rollout": lambda u: rollout_plan(cfg, mesh, gen, u, chip)}
   report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method,

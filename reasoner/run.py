@@ -19,6 +19,7 @@ from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
+from reasoner.models import gemma
 from reasoner.sampler import Sampler, SamplingConfig
 from reasoner.trainer import Batch, Trainer, build_batch
 
@@ -26,7 +27,10 @@ log = logging.getLogger("reasoner")
 
 
 def make_sampler(setup: Setup) -> Sampler:
-  return Sampler(setup.graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens,
+  graphdef = setup.graphdef
+  if setup.cfg.model.remat != "none":  # nothing to recompute without a gradient
+    graphdef = gemma.without_remat(graphdef, setup.lora, setup.base)
+  return Sampler(graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens,
                  setup.cfg.rollout.prompt_buckets)
 
 

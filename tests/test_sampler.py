@@ -270,3 +270,23 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
       p, prompts // mesh_shape[0]) + heads
   assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (n, k.shape[0]) + heads
 
+
+
+def test_sampler_runs_with_block_and_decoder_remat():
+  """Both shipped TPU presets train with block remat: the sampler (`run.make_sampler`) decodes
+  them with Tunix's remat off (its `nnx.remat` fails inside the decode loop), token for token
+  and log-prob for log-prob as the no-remat model."""
+  from reasoner.run import make_sampler
+
+  cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
+  out = {}
+  for remat in ("none", "block", "decoder"):
+    s = build(tiny_config("lora.rank=4", f"model.remat={remat}"))
+    s.lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
+                          s.lora)
+    comps, logp, _ = make_sampler(s).sample((s.lora, s.base), ["Question: 1 + 2?", "Q: 7?"],
+                                            jax.random.PRNGKey(0), cfg)
+    out[remat] = comps.tokens, logp
+  for remat in ("block", "decoder"):
+    np.testing.assert_array_equal(out[remat][0], out["none"][0])
+    np.testing.assert_array_equal(out[remat][1], out["none"][1])

@@ -225,6 +225,23 @@ def from_host(spec: ModelSpec, mesh: Mesh,
   return nnx.merge(graphdef, state)
 
 
+def without_remat(graphdef, lora, base):
+  """The same model's graphdef with Tunix's remat off everywhere, for the sampler: remat does
+  nothing without a gradient, and Tunix's `nnx.remat` (in each attention, MLP or layer call
+  under block or decoder remat) cannot run inside the decode loop, where the module was merged
+  outside the `while_loop` (TraceContextError). `lora`, `base`: the states `graphdef` was split
+  with (`lora.split`; arrays or ShapeDtypeStructs, nothing is copied); they merge with the
+  graphdef returned."""
+  model = nnx.merge(graphdef, lora, base)
+  for _, node in nnx.iter_graph(model):
+    if hasattr(node, "remat_config"):  # Tunix's Attention keeps its own
+      node.remat_config = type(node.remat_config).NONE
+    cfg = getattr(node, "config", None)
+    if dataclasses.is_dataclass(cfg) and hasattr(cfg, "remat_config"):
+      node.config = dataclasses.replace(cfg, remat_config=type(cfg.remat_config).NONE)
+  return nnx.split(model, nnx.LoRAParam, ...)[0]
+
+
 def decoded_fraction(shape: tuple[int, ...], chunk: tuple[int, ...],
                      sharding: NamedSharding) -> float:
   """Elements this process would decode reading its blocks of `shape` (each read decodes every

@@ -20,11 +20,12 @@ setting:
 - decoder: nothing (Tunix's decoder remat): the whole layer runs again.
 
 With block and decoder remat, past the first layer, each layer's backward also finishes its
-LoRA gradients before the layer below starts (`tied_gradients`). Left free, XLA (v5e, Gemma3-1B) formed the input
-cotangents of all 26 layers first and most of their LoRA gradients in a second sweep, beside
-the prompt's backward (`trainer.completion_hidden` calls the model twice), holding two
-[rows, T, 6912] arrays a layer from one sweep to the next. Tied, at 32 sequences: block 4.82 -> 3.90, decoder 2.49 -> 1.97 GiB a chip, the same
-FLOPs. With no remat every projection's output is kept anyway: tied, 6.17 -> 6.15 GiB at 32
+LoRA gradients before the layer below starts (`tied_gradients`). Left free, XLA (v5e,
+Gemma3-1B) formed the input cotangents of all 26 layers first and most of their LoRA
+gradients in a second sweep, beside the prompt's backward (`trainer.completion_hidden` calls
+the model twice), holding two [rows, T, 6912] arrays a layer from one sweep to the next.
+Tied, at 32 sequences: block 4.82 -> 3.90, decoder 2.49 -> 1.97 GiB a chip, the same FLOPs.
+With no remat every projection's output is kept anyway: tied, 6.17 -> 6.15 GiB at 32
 sequences, and at 128 in one pass XLA's own rematerialisation then left the step at 16.4 GiB
 (63.6 TFLOP) instead of fitting it into 14.97 (75.4), so none stays untied.
 
