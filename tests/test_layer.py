@@ -73,8 +73,10 @@ def test_model_with_our_attention_matches_tunix(remat):
                                tunix_attention=tunix)
     return jnp.sum(jnp.where(valid[..., None], h, 0.0) * w), h
 
-  # nnx's grad, as the trainer's: Tunix's remat is nnx.remat
-  grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
+  # nnx's grad, as the trainer's: Tunix's remat is nnx.remat. Jitted: run eagerly, its many
+  # small 8-device computations could miss XLA:CPU's 40 s collective rendezvous on a busy host.
+  grad = nnx.jit(nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True),
+                 static_argnums=1)
   (_, h), grads = grad(model, False)
   (_, h_ref), ref = grad(model, True)
   # The tiny random model amplifies rounding at a few positions: moving its LoRA weights by
