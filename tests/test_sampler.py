@@ -18,13 +18,17 @@ from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, init_cache, 
 from reasoner.trainer import Trainer, build_batch
 
 
-@pytest.fixture(scope="module")
-def setup():
-  s = build(tiny_config("lora.rank=4"))
-  # Non-zero LoRA B so that the LoRA path is exercised by every comparison.
+def _nonzero_lora(*overrides):
+  """The tiny model with LoRA B != 0, so that every comparison exercises the LoRA path."""
+  s = build(tiny_config("lora.rank=4", *overrides))
   s.lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
                         s.lora)
   return s
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return _nonzero_lora()
 
 
 def full_forward_greedy(setup, ids, n):
@@ -271,7 +275,6 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (n, k.shape[0]) + heads
 
 
-
 def test_sampler_runs_with_block_and_decoder_remat():
   """Both shipped TPU presets train with block remat: the sampler (`run.make_sampler`) decodes
   them with Tunix's remat off (its `nnx.remat` fails inside the decode loop), token for token
@@ -281,9 +284,7 @@ def test_sampler_runs_with_block_and_decoder_remat():
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
   out = {}
   for remat in ("none", "block", "decoder"):
-    s = build(tiny_config("lora.rank=4", f"model.remat={remat}"))
-    s.lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
-                          s.lora)
+    s = _nonzero_lora(f"model.remat={remat}")
     comps, logp, _ = make_sampler(s).sample((s.lora, s.base), ["Question: 1 + 2?", "Q: 7?"],
                                             jax.random.PRNGKey(0), cfg)
     out[remat] = comps.tokens, logp
