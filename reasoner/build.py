@@ -77,7 +77,7 @@ def _kaggle(cfg: Config, mesh: jax.sharding.Mesh):
   from reasoner.models import kaggle
 
   layout = kaggle.fetch(cfg.model)
-  tokenizer = kaggle.tokenizer(layout)
+  tokenizer = ByteTokenizer() if cfg.model.tokenizer == "bytes" else kaggle.tokenizer(layout)
   meta = kaggle.read_metadata(layout.params)
   spec = gemma.model_spec(cfg.model, kaggle.vocab_size(meta))  # the vocabulary: tiny only
   log.info("restoring %s into its shards (mesh %s) ...", layout.params, dict(mesh.shape))

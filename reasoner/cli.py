@@ -1,10 +1,12 @@
-"""`python -m reasoner train|eval|sample|plan --config FILE [key=value ...]`: parse, build, call."""
+"""`python -m reasoner train|eval|sample|plan|export --config FILE [key=value ...]`: parse, build,
+call."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shlex
 import sys
 
 from reasoner.config import ConfigError, load_config
@@ -19,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
                      ("eval", "greedy accuracy and format rate on the held-out split"),
                      ("sample", "print completions for one question"),
                      ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
-                              "time on this machine")):
+                              "time on this machine"),
+                     ("export", "the run's LoRA merged into the base, as a Kaggle Flax checkpoint "
+                                "Tunix loads (and Hugging Face safetensors)")):
     c = sub.add_parser(name, help=text)
     c.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (configs/)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
@@ -31,11 +35,21 @@ def _parser() -> argparse.ArgumentParser:
       c.add_argument("--no-search", dest="search", action="store_false",
                      help="only the configured batch, no search for the largest that fits")
       c.add_argument("--analytic", action="store_true", help="estimate; compile nothing")
+    if name == "export":
+      c.add_argument("--out", required=True, help="a new (or empty) directory")
+      c.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+      c.add_argument("--format", action="append", choices=("orbax", "safetensors"),
+                     help="orbax (always written) and/or safetensors (Hugging Face names)")
   return p
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args, extra = parser.parse_known_args(argv)  # overrides may follow flags: a=1 --flag b=2
+  unknown = [x for x in extra if "=" not in x or x.startswith("-")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+  args.overrides = [*args.overrides, *(x for x in extra if x not in unknown)]
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   for noisy in ("absl", "jax._src", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -47,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
 
     if args.command == "train":
-      run.train(cfg)
+      again = shlex.join(["python", "-m", "reasoner", *(sys.argv[1:] if argv is None else argv)])
+      run.train(cfg, command=again)
+    elif args.command == "export":
+      from reasoner import export
+
+      export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
     elif args.command == "plan":
       from reasoner import plan
 

@@ -10,6 +10,7 @@ expected, before any model is loaded. Rules that need the device count live in `
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import pathlib
 import re
 import types
@@ -64,9 +65,9 @@ class ModelConfig:
       _fail("model.tiny_vocab", self.tiny_vocab, "at least 259 (the byte tokenizer's ids)")
 
   def _check_kaggle(self) -> None:
-    if self.tokenizer == "bytes":
+    if self.tokenizer == "bytes" and not (self.path and self.name == "tiny"):
       _fail("model.tokenizer", self.tokenizer, "'auto' when model.source is 'kaggle' (the "
-            "tokenizer comes with the checkpoint)")
+            "tokenizer comes with the checkpoint; 'bytes' only for a tiny model's model.path)")
     if self.path:
       return
     if not self.kaggle_handle:
@@ -260,8 +261,29 @@ class TrainConfig:
   # finds the largest that fits a chip. Best with micro_batch x G a multiple of mesh.fsdp: a
   # micro-batch that does not split over the chips is computed whole on each.
   micro_batch: int | None = None
+  # When this session must end: a duration from the process start ('8h45m') or an ISO time. The
+  # loop stops before a step that would leave too little time for the final checkpoint,
+  # evaluation and export (timed in this run), saves, and exits 0 naming the command that
+  # continues. null: no deadline.
+  deadline: str | None = None
+  # Save also whenever this many minutes passed since the last save (a session killed from
+  # outside loses at most that much work). null: only every checkpoint_every steps.
+  checkpoint_minutes: float | None = None
+  # Start from the latest checkpoint of another run's directory (may be read-only, e.g. a
+  # previous Kaggle session's output under /kaggle/input); this run writes to run_dir/run_name.
+  # Once this run has checkpoints of its own, it resumes from those.
+  resume_from: str | None = None
 
   def __post_init__(self):
+    if self.deadline is not None:
+      from reasoner.session import parse_deadline
+
+      try:
+        parse_deadline(self.deadline)
+      except ValueError as e:
+        _fail("train.deadline", self.deadline, str(e))
+    if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
+      _fail("train.checkpoint_minutes", self.checkpoint_minutes, "a positive number or null")
     for f in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, f) < 1:
         _fail(f"train.{f}", getattr(self, f), "a positive integer")
@@ -394,6 +416,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
       _fail(key, value, "a number")
     return float(value)
   if tp is str:
+    if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads ISO times itself
+      return value.isoformat()
     if not isinstance(value, str):
       _fail(key, value, "a string")
     return value

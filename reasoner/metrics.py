@@ -1,16 +1,22 @@
 """Run outputs: console progress, metrics.jsonl, TensorBoard, samples and reward.png.
 
-Only process 0 writes; other processes get a writer that does nothing.
+Only process 0 writes; other processes get a writer that does nothing. A run resumed at step S
+(from its own checkpoint or another session's, `carry_over`) keeps each step's rows once: rows
+past S are dropped and TensorBoard purges its events past S.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from typing import Any
 
 import jax
 import numpy as np
+
+
+ROW_FILES = ("metrics.jsonl", "samples.jsonl")
 
 
 class MetricsWriter:
@@ -20,9 +26,24 @@ class MetricsWriter:
     self._tb = None
     if self.enabled:
       self.path.mkdir(parents=True, exist_ok=True)
-      from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(str(self.path / "tb"))
+  def start(self, step: int, carry_over: pathlib.Path | None = None) -> None:
+    """Opens the run's logs at `step`: rows past it dropped, TensorBoard purged past it. With
+    `carry_over` (another run's directory, never written to), its logs up to `step` are copied
+    in first, so this run's logs read as one run's."""
+    if not self.enabled:
+      return
+    if carry_over is not None:
+      for name in (*ROW_FILES, "eval.json"):
+        if (carry_over / name).is_file() and not (self.path / name).exists():
+          shutil.copyfile(carry_over / name, self.path / name)
+      if (carry_over / "tb").is_dir() and not (self.path / "tb").exists():
+        shutil.copytree(carry_over / "tb", self.path / "tb")
+    for name in ROW_FILES:
+      truncate_rows(self.path / name, step)
+    from tensorboardX import SummaryWriter
+
+    self._tb = SummaryWriter(str(self.path / "tb"), purge_step=step + 1 if step else None)
 
   def log(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
@@ -42,8 +63,8 @@ class MetricsWriter:
       for r in rows:
         f.write(json.dumps({"step": step, "tag": tag, **r}) + "\n")
 
-  def write_json(self, name: str, data: dict) -> None:
-    if self.enabled:
+  def write_json(self, name: str, data: dict, overwrite: bool = True) -> None:
+    if self.enabled and (overwrite or not (self.path / name).exists()):
       (self.path / name).write_text(json.dumps(data, indent=2) + "\n")
 
   def plot(self) -> pathlib.Path | None:
@@ -82,6 +103,18 @@ class MetricsWriter:
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+
+
+def truncate_rows(path: pathlib.Path, step: int) -> None:
+  """Drops the JSONL rows of steps after `step` (written before a crash, to be written again)."""
+  if not path.is_file():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  kept = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
+  if len(kept) != len(lines):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def _py(v: Any) -> Any:

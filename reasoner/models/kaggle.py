@@ -155,7 +155,7 @@ def _is_checkpoint(d: pathlib.Path) -> bool:
 
 
 def find_layout(root: pathlib.Path, variant: str | None = None,
-                key: str = "model.path") -> Layout:
+                key: str = "model.path", tokenizer: bool = True) -> Layout:
   """The checkpoint folder and tokenizer in a download (or the checkpoint folder itself)."""
   root = pathlib.Path(root).expanduser()
   if not root.is_dir():
@@ -174,7 +174,7 @@ def find_layout(root: pathlib.Path, variant: str | None = None,
                         f"({', '.join(d.name for d in found)}); point model.path at one of them")
     params = (named or found)[0]
   for tok in (params.parent / "tokenizer.model", params / "tokenizer.model"):
-    if tok.is_file():
+    if tok.is_file() or not tokenizer:
       return Layout(params, tok)
   raise KaggleError(f"config key '{key}' = '{root}': no tokenizer.model next to "
                     f"'{params.name}/'; expected {_LAYOUT_HINT}")
@@ -202,7 +202,7 @@ def resolve(m: ModelConfig) -> tuple[str, pathlib.Path | str]:
   """Where the checkpoint will come from, checked in seconds without downloading anything:
   ('path', dir) for model.path or an offline cached copy, ('download', handle) otherwise."""
   if m.path:
-    find_layout(pathlib.Path(m.path))
+    find_layout(pathlib.Path(m.path), tokenizer=m.tokenizer != "bytes")
     return "path", pathlib.Path(m.path)
   handle = m.kaggle_handle or ""
   creds = credential_source()
@@ -226,7 +226,7 @@ def fetch(m: ModelConfig) -> Layout:
   kind, where = resolve(m)
   variant = (m.kaggle_handle or "").split("/")[3] if m.kaggle_handle else None
   if kind == "path":
-    return find_layout(pathlib.Path(where), variant)
+    return find_layout(pathlib.Path(where), variant, tokenizer=m.tokenizer != "bytes")
   import kagglehub
 
   log.info("downloading %s with kagglehub (credentials: %s) ...", where,

@@ -1,0 +1,247 @@
+"""The trained model as a checkpoint anyone can load: LoRA merged into the base weights.
+
+    python -m reasoner export --config configs/gemma3_1b.yaml --out /kaggle/working/model
+
+writes `DIR/<variant>/` (an orbax checkpoint in the upstream Kaggle Flax layout, the layout
+`reasoner.models.kaggle` reads) and `DIR/tokenizer.model`, so the folder is a Kaggle Flax
+download: Tunix's `create_model_from_checkpoint` (Gemma 3) and `load_and_format_params` (Gemma 2)
+load `DIR/<variant>`, `model.path=DIR` loads it back here, and it uploads as a Kaggle model.
+`--format safetensors` adds `DIR/model.safetensors` with Hugging Face's parameter names.
+
+Each merged parameter is W + (alpha / r) A B, formed inside `jax.jit` with W's own sharding (in
+W's dtype), so no parameter is ever whole on one device; orbax writes each process's shards.
+The safetensors file is written one tensor at a time (its header first): the host holds at
+most one full parameter. The folder is written beside DIR and renamed into place: an export
+that fails leaves nothing half-written, and an existing non-empty DIR is never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import shutil
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from reasoner.config import Config, ConfigError
+from reasoner.models import kaggle
+
+
+class ExportError(ConfigError):
+  """The export cannot be written where asked (one line)."""
+
+
+def lora_delta(strings: tuple[str | None, str | None], shape: tuple[int, ...], a: jax.Array,
+               b: jax.Array, scale: float) -> jax.Array:
+  """scale A B in the weight's own layout. qwix runs an einsum's LoRA as 'lhs,a,b->out'
+  (`strings[0]`; a: the weight's contracted axes + r, b: r + its other axes; `strings[1]`: the
+  module's own einsum), a Linear's (strings None) as x A B with A [in, r], B [r, out]."""
+  lora_str, einsum_str = strings
+  if lora_str is None:
+    return (a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1)).reshape(shape) * scale
+  _, a_str, b_str = lora_str.split("->")[0].split(",")
+  rhs = einsum_str.split("->")[0].split(",")[1]
+  return jnp.einsum(f"{a_str},{b_str}->{rhs}", a, b) * scale
+
+
+def merged(graphdef, lora, base, scale: float) -> dict[tuple, jax.Array]:
+  """Every base parameter with its LoRA merged in: {Tunix path: array}, sharded as the base."""
+  model = nnx.merge(graphdef, lora, base)
+  out = {p: v.value for p, v in nnx.to_flat_state(base)}
+  pairs = {}
+  for path, v in nnx.to_flat_state(lora):
+    name = str(path[-1])
+    weight, part = name.rsplit("_lora_", 1)
+    pairs.setdefault((*path[:-1], weight), {})[part] = v.value
+  for path, ab in pairs.items():
+    module = model
+    for p in path[:-1]:
+      module = module[p] if isinstance(p, int) else getattr(module, p)
+    w = out[path]
+    strings = (getattr(module, f"{path[-1]}_lora_einsum_str", None),
+               getattr(module, "einsum_str", None))
+    out[path] = _merger(strings, w.shape, scale, w.sharding)(w, ab["a"], ab["b"])
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _merger(strings: tuple, shape: tuple, scale: float, sharding: NamedSharding):
+  """W + scale A B, computed in float32, in W's dtype and sharding (one compile per kind of
+  projection: every layer's q_einsum shares one)."""
+
+  def merge(w, a, b):
+    d = lora_delta(strings, shape, a.astype(jnp.float32), b.astype(jnp.float32), scale)
+    return (w.astype(jnp.float32) + d).astype(w.dtype)
+
+  return jax.jit(merge, out_shardings=sharding)
+
+
+def upstream_tree(family: str, params: dict[tuple, jax.Array]) -> dict[str, dict[str, jax.Array]]:
+  """Tunix paths -> the upstream layout `kaggle.restore` reads (its mapping, inverted): the MLP's
+  gate and up kernels [D, F] stacked into the gating einsum, [2, F, D] (Gemma 3) or [2, D, F]."""
+  tree: dict[str, dict[str, jax.Array]] = {}
+  for path, value in params.items():
+    names = [str(p) for p in path]
+    if names[-3:-1] == ["mlp", "up_proj"]:
+      continue
+    if names[-3:-1] == ["mlp", "gate_proj"]:
+      up = params[(*path[:-2], "up_proj", path[-1])]
+      tree.setdefault(f"transformer/layer_{names[1]}/mlp/gating_einsum", {})["w"] = (
+          _gating(value, up, family == "gemma3"))
+      continue
+    key, leaf = kaggle.upstream_key(path)
+    tree.setdefault(key, {})[leaf] = value
+  return tree
+
+
+def _gating(gate: jax.Array, up: jax.Array, transposed: bool) -> jax.Array:
+  spec = tuple(gate.sharding.spec) + (None, None)
+  d_ax, f_ax = spec[:2]
+  out = NamedSharding(gate.sharding.mesh, P(None, f_ax, d_ax) if transposed else
+                      P(None, d_ax, f_ax))
+  stack = jax.jit(lambda g, u: jnp.stack([g.T, u.T] if transposed else [g, u]),
+                  out_shardings=out)
+  return stack(gate, up)
+
+
+# ------------------------------------------------------------------------------ Hugging Face
+
+def hf_tensors(params: dict[tuple, jax.Array]) -> dict[str, tuple]:
+  """Hugging Face Gemma names -> (Tunix path, transform on the host array), the inverse of the
+  GGUF mapping (reasoner/models/gguf.py; norms as stored, HF's RMSNorm also scales by 1 + w)."""
+  out = {"model.embed_tokens.weight": (("embedder", "input_embedding"), lambda x: x),
+         "model.norm.weight": (("final_norm", "scale"), lambda x: x)}
+  heads = lambda x: x.transpose(0, 2, 1).reshape(-1, x.shape[1])  # (N, D, H) -> (N*H, D)
+  norms = {"pre_attention_norm": "input_layernorm", "post_attention_norm":
+           "post_attention_layernorm", "post_attn_norm": "post_attention_layernorm",
+           "pre_ffw_norm": "pre_feedforward_layernorm", "post_ffw_norm":
+           "post_feedforward_layernorm"}
+  for path in params:
+    names = [str(p) for p in path]
+    if names[0] != "layers":
+      continue
+    pre, rest = f"model.layers.{names[1]}.", names[2:]
+    if rest == ["attn", "q_einsum", "w"]:
+      out[pre + "self_attn.q_proj.weight"] = (path, heads)
+    elif rest == ["attn", "kv_einsum", "w"]:
+      out[pre + "self_attn.k_proj.weight"] = (path, lambda x: heads(x[0]))
+      out[pre + "self_attn.v_proj.weight"] = (path, lambda x: heads(x[1]))
+    elif rest == ["attn", "attn_vec_einsum", "w"]:  # (N, H, D) -> (D, N*H)
+      out[pre + "self_attn.o_proj.weight"] = (path, lambda x: x.reshape(-1, x.shape[-1]).T)
+    elif rest[0] == "mlp":
+      out[pre + f"mlp.{rest[1]}.weight"] = (path, lambda x: x.T)
+    elif rest[-2] in ("_query_norm", "_key_norm"):
+      out[pre + f"self_attn.{rest[-2][1]}_norm.weight"] = (path, lambda x: x)
+    elif rest[-2] in norms:
+      out[pre + norms[rest[-2]] + ".weight"] = (path, lambda x: x)
+    else:
+      raise ExportError(f"no Hugging Face name for parameter {'.'.join(names)}")
+  return out
+
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def write_safetensors(path: pathlib.Path, tensors: dict[str, tuple], params: dict) -> None:
+  """A safetensors file written tensor by tensor: header from shapes, then each array's bytes
+  (gathered to the host one at a time; only process 0 writes)."""
+  shapes = {name: jax.eval_shape(fn, jax.ShapeDtypeStruct(params[p].shape, params[p].dtype))
+            for name, (p, fn) in tensors.items()}
+  header, offset = {}, 0
+  for name in sorted(shapes):
+    s = shapes[name]
+    size = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+    header[name] = {"dtype": _ST_DTYPES[np.dtype(s.dtype).name], "shape": list(s.shape),
+                    "data_offsets": [offset, offset + size]}
+    offset += size
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * (-len(raw) % 8)
+  writing = jax.process_index() == 0
+  with (open(path, "wb") if writing else open("/dev/null", "wb")) as f:
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for name in sorted(shapes):
+      p, fn = tensors[name]
+      host = np.asarray(fn(_gathered(params[p])))
+      if writing:
+        f.write(np.ascontiguousarray(host).tobytes())
+      del host
+
+
+def _gathered(x: jax.Array) -> np.ndarray:
+  """One parameter whole on the host (every process takes part in the gather)."""
+  from jax.experimental import multihost_utils
+
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# ------------------------------------------------------------------------------ the command
+
+def check_out(out: pathlib.Path) -> None:
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise ExportError(f"--out '{out}' exists and is not an empty directory; choose a new "
+                      "directory (nothing was written)")
+
+
+def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
+           formats: tuple[str, ...] = ("orbax",), log=print) -> pathlib.Path:
+  """Writes the run's checkpoint (latest, or `step`) merged into the base as DIR."""
+  from reasoner import run as run_lib
+  from reasoner.build import build
+
+  out = pathlib.Path(out).absolute()
+  check_out(out)
+  setup = build(cfg)
+  lora, got = run_lib.restore_lora(setup, step)
+  params = merged(setup.graphdef, lora, setup.base, cfg.lora.alpha / cfg.lora.rank)
+  family = "gemma2" if cfg.model.name.startswith("gemma2") else "gemma3"
+  variant = variant_name(cfg)
+  tmp = out.with_name(f".{out.name}.partial")
+  if jax.process_index() == 0:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+  _sync("export-start")
+  import orbax.checkpoint as ocp
+
+  with ocp.PyTreeCheckpointer() as ckptr:
+    ckptr.save(tmp / variant, upstream_tree(family, params))
+  if "safetensors" in formats:
+    write_safetensors(tmp / "model.safetensors", hf_tensors(params), params)
+  if jax.process_index() == 0:
+    proto = getattr(setup.tokenizer, "model_proto", None)
+    if proto is not None:
+      (tmp / "tokenizer.model").write_bytes(proto)
+    (tmp / "export.json").write_text(json.dumps({
+        "model": cfg.model.name, "family": family, "variant": variant, "step": got,
+        "run": str(cfg.run_path.absolute()), "lora": {"rank": cfg.lora.rank,
+                                                      "alpha": cfg.lora.alpha},
+        "dtype": cfg.model.dtype, "formats": list(formats),
+        "tokenizer": "tokenizer.model" if proto is not None else "bytes (model.tokenizer=bytes)",
+    }, indent=2) + "\n")
+    if out.exists():
+      out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+  _sync("export-done")
+  log(f"exported step {got} of {cfg.run_path} ({cfg.model.name}, LoRA merged, {cfg.model.dtype}) "
+      f"to {out}/{variant}" + (" and model.safetensors" if "safetensors" in formats else ""))
+  return out
+
+
+def variant_name(cfg: Config) -> str:
+  """The checkpoint folder's name: the Kaggle variation trained from, else the model's name."""
+  handle = cfg.model.kaggle_handle
+  return handle.split("/")[3] if cfg.model.source == "kaggle" and handle else cfg.model.name
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

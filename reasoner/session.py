@@ -1,0 +1,112 @@
+"""The session's clock and places: when this process started, when it must stop, where to write.
+
+A Kaggle TPU session ends 9 hours after it starts, and whatever has not been saved by then is
+lost. `train.deadline` names that end (a duration from this process's start, `8h45m`, or an
+ISO time); the loop asks `Clock.stop_before_next_step` before each step, with a reserve for the
+final checkpoint, evaluation and export measured from this run's own timings (`Clock.measured`),
+not guessed. Kaggle specifics are detected, never assumed: the same code runs anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import pathlib
+import re
+import time
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def process_start() -> float:
+  """This process's start as a Unix time (from /proc on Linux; else when this module loaded).
+  In a notebook that is the kernel's start, which a Kaggle session begins with."""
+  try:
+    ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def parse_deadline(text: str, start: float | None = None) -> float:
+  """'8h45m', '90m', '3600s', '1.5h' (from `start`, default this process's start) or an ISO
+  time ('2026-11-25T08:30', local time unless it names a zone) -> a Unix time."""
+  text = str(text).strip()
+  m = _DURATION.fullmatch(text)
+  if text and m and any(m.groups()):
+    h, mi, s = (float(g or 0) for g in m.groups())
+    return (process_start() if start is None else start) + h * 3600 + mi * 60 + s
+  try:
+    return dt.datetime.fromisoformat(text).timestamp()
+  except ValueError:
+    raise ValueError("a duration from the process start such as 8h45m, 90m or 600s, or an ISO "
+                     "time such as 2026-11-25T08:30") from None
+
+
+def duration(seconds: float) -> str:
+  seconds = max(0, int(round(seconds)))
+  h, rest = divmod(seconds, 3600)
+  return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class Clock:
+  """Step, evaluation, save and load times of this run, and the deadline they are held to."""
+
+  def __init__(self, deadline: float | None, checkpoint_minutes: float | None):
+    self.deadline = deadline
+    self.interval = None if checkpoint_minutes is None else checkpoint_minutes * 60
+    self.last_save = time.time()
+    self.times: dict[str, float] = {}  # longest seen: step, eval, save, load
+    self._steps: list[float] = []
+
+  def measured(self, what: str, seconds: float) -> None:
+    if what == "step":  # the first step of a process compiles: the longest of the others
+      self._steps.append(seconds)
+      self.times["step"] = max(self._steps[1:] or self._steps)
+      return
+    self.times[what] = max(seconds, self.times.get(what, 0.0))
+    if what == "save":
+      self.last_save = time.time()
+
+  @contextlib.contextmanager
+  def timed(self, what: str):
+    t0 = time.time()
+    yield
+    self.measured(what, time.time() - t0)
+
+  def reserve(self, eval_after: bool) -> float:
+    """Seconds kept after the last step: the final save, the evaluation after training (as long
+    as the one before it or, if none was timed, a rollout scaled to the evaluation's tokens)
+    and an export (writing what loading read: as long as the load)."""
+    t = self.times
+    evaluation = t.get("eval", t.get("eval_estimate", 0.0)) if eval_after else 0.0
+    return t.get("save", 0.0) + evaluation + t.get("load", 0.0)
+
+  def left(self) -> float:
+    return float("inf") if self.deadline is None else self.deadline - time.time()
+
+  def stop_before_next_step(self, eval_after: bool) -> bool:
+    """True when the next step (as long as the longest so far) would leave too little time."""
+    if self.deadline is None:
+      return False
+    return self.times.get("step", 0.0) + self.reserve(eval_after) > self.left()
+
+  def save_due(self) -> bool:
+    return self.interval is not None and time.time() - self.last_save >= self.interval
+
+
+# ------------------------------------------------------------------------------ places
+
+def on_kaggle() -> bool:
+  """A Kaggle notebook session (Kaggle sets this variable in every kernel)."""
+  return "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+
+
+def writable_root() -> pathlib.Path:
+  """Where a run writes: /kaggle/working on Kaggle (/kaggle/input is read-only), else here."""
+  return pathlib.Path("/kaggle/working") if on_kaggle() else pathlib.Path.cwd()
