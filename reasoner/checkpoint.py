@@ -11,6 +11,7 @@ iterator's JSON, which is the same on every process since all draw the same glob
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -31,7 +32,13 @@ class Checkpointer:
                                                          save_interval_steps=0) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                             enable_async_checkpointing=False))
-    self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    quiet = logging.getLogger("absl")  # read-only: orbax warns "Given directory is read only"
+    level = quiet.level
+    quiet.setLevel(logging.ERROR if read_only else level)
+    try:
+      self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    finally:
+      quiet.setLevel(level)
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -52,8 +59,8 @@ class Checkpointer:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises ValueError, OSError, XlaRuntimeError, ...
-      raise CheckpointError(f"{self.directory / str(step)} does not fit this run: "
-                            f"{_first_line(e)}") from e
+      raise CheckpointError(f"{self.directory / str(step)} does not fit this run (other model "
+                            f"or LoRA settings?): {_first_line(e)}") from e
     return out["state"], out["data"]
 
   def close(self) -> None:
@@ -62,7 +69,8 @@ class Checkpointer:
 
 def _first_line(e: Exception) -> str:
   lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-  return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+  text = (lines[0] if lines else "").split(". Truncating/padding")[0]  # orbax's advice: not ours
+  return f"{type(e).__name__}: {text[:300]}"
 
 
 def find_checkpoints(root: str | pathlib.Path, key: str = "train.resume_from") -> pathlib.Path:
