@@ -7,7 +7,7 @@ CONFIG ?= configs/embedded.yaml
 ARGS   ?=
 BENCH  ?=
 
-.PHONY: setup train eval sample test bench clean
+.PHONY: setup train eval sample test bench notebook rehearse clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
+
+# notebooks/grpo_kaggle.ipynb is generated from grpo_kaggle.py (a test checks they agree).
+notebook: $(STAMP)
+	$(VENV)/bin/jupytext --to ipynb notebooks/grpo_kaggle.py
 
 clean:
 	rm -rf $(VENV) runs bench/results

@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "train":
       again = shlex.join(["python", "-m", "reasoner", *(sys.argv[1:] if argv is None else argv)])
-      run.train(cfg, command=again)
+      from reasoner import loop
+
+      loop.train(cfg, command=again)
     elif args.command == "export":
       from reasoner import export
 

@@ -191,14 +191,15 @@ def check_out(out: pathlib.Path) -> None:
 
 
 def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
-           formats: tuple[str, ...] = ("orbax",), log=print) -> pathlib.Path:
-  """Writes the run's checkpoint (latest, or `step`) merged into the base as DIR."""
+           formats: tuple[str, ...] = ("orbax",), log=print, setup=None) -> pathlib.Path:
+  """Writes the run's checkpoint (latest, or `step`) merged into the base as DIR. `setup`: the
+  run's, already built (the notebook's), else built from `cfg`."""
   from reasoner import run as run_lib
   from reasoner.build import build
 
   out = pathlib.Path(out).absolute()
   check_out(out)
-  setup = build(cfg)
+  setup = setup or build(cfg)
   lora, got = run_lib.restore_lora(setup, step)
   params = merged(setup.graphdef, lora, setup.base, cfg.lora.alpha / cfg.lora.rank)
   family = "gemma2" if cfg.model.name.startswith("gemma2") else "gemma3"

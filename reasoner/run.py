@@ -1,8 +1,8 @@
-"""The GRPO loop, evaluation and sampling: what `python -m reasoner train|eval|sample` runs."""
+"""One GRPO step (rollout, rewards, advantages, train_step), held-out evaluation and sampling:
+the pieces `reasoner.loop` runs, and what `python -m reasoner eval|sample` run."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -12,10 +12,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib, session
+from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib
 from reasoner.build import Setup, build
-from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints
-from reasoner.config import Config, ConfigError
+from reasoner.checkpoint import CheckpointError, Checkpointer
+from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
@@ -34,7 +34,7 @@ def make_sampler(setup: Setup) -> Sampler:
                  setup.cfg.rollout.prompt_buckets)
 
 
-def _agreed(value: int) -> int:
+def agreed(value: int) -> int:
   """Process 0's value on every process: decisions that start collective work (resume step,
   whether to evaluate) must not depend on when each process looked at the run directory."""
   if jax.process_count() == 1:
@@ -119,11 +119,11 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
   return Batch(**batch), metrics
 
 
-def _checkpoint_tree(state) -> dict:
+def checkpoint_tree(state) -> dict:
   return {"step": state.step, "lora": state.lora, "opt_state": state.opt_state, "key": state.key}
 
 
-def _eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
+def eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
                  tag: str) -> dict:
   result, rows = evaluate(setup, sampler, lora, setup.eval_records)
   _print_eval(tag, result, rows, setup.cfg.train.num_log_samples)
@@ -132,7 +132,7 @@ def _eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, st
   return result
 
 
-def _grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records, step: int):
+def grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records, step: int):
   """Rollout, then mu optimisation passes on it: (state, metrics)."""
   t0 = time.perf_counter()
   batch, metrics = rollout(setup, sampler, trainer, state.lora, records,
@@ -150,154 +150,6 @@ def _grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records,
   return state, metrics
 
 
-def train(cfg: Config, command: str | None = None) -> dict:
-  """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results, and
-  'stopped' ({'step', 'of', 'line'}) when the session's deadline stopped it early.
-  `command` is what the user ran, repeated in the line that says how to continue."""
-  clock = session.Clock(session.parse_deadline(cfg.train.deadline) if cfg.train.deadline
-                        else None, cfg.train.checkpoint_minutes)
-  if clock.left() <= 0:
-    raise ConfigError(f"config key 'train.deadline' = {cfg.train.deadline!r}: already past "
-                      f"({session.duration(-clock.left())} ago)")
-  with clock.timed("load"):
-    setup = build(cfg)
-  run = cfg.run_path
-  writer = MetricsWriter(run)
-  writer.write_json("config.json", cfg.to_dict(), overwrite=False)
-  trainer = Trainer(setup.graphdef, setup.base, cfg)
-  sampler = make_sampler(setup)
-  ckpt = Checkpointer(run / "checkpoints", cfg.train.keep_checkpoints)
-  state = trainer.init_state(setup.lora, jax.random.PRNGKey(cfg.train.seed))
-  # Every process draws the same global batch of questions (a few KB of text); placement
-  # (mesh.put_batch) gives each process's devices only their rows.
-  data = sources.train_iterator(setup.train_records, cfg.train.batch_size, cfg.train.seed)
-  state, start, origin = _resume(cfg, ckpt, state, data)
-  writer.start(start, carry_over=origin)
-
-  results = _read_eval(run) if jax.process_index() == 0 else {}  # process 0 owns the files
-  if cfg.train.eval_before and _agreed("before" not in results):
-    with clock.timed("eval"):
-      results["before"] = _eval_logged(setup, sampler, state.lora, writer, 0, "before")
-    writer.write_json("eval.json", results)
-
-  step, lora = _loop(setup, sampler, trainer, state, data, ckpt, writer, clock, start)
-  stopped = step < cfg.train.steps
-  if stopped and step == start:
-    raise ConfigError(f"config key 'train.deadline' = {cfg.train.deadline!r}: too short for one "
-                      f"step ({session.duration(clock.left())} left; the final save, evaluation "
-                      f"and export alone take {session.duration(clock.reserve(True))})")
-  tag = f"step-{step}" if stopped else "after"
-  results["after"] = _eval_logged(setup, sampler, lora, writer, step, tag)
-  writer.write_json("eval.json", results)
-  plot = writer.plot()
-  writer.close()
-  ckpt.close()
-  if "before" in results and jax.process_index() == 0:
-    tqdm.write(f"held-out mean reward {results['before']['mean_reward']:.3f} -> "
-               f"{results['after']['mean_reward']:.3f}; run in {run}"
-               + (f", plot {plot}" if plot else ""))
-  if stopped:
-    results["stopped"] = _stop_line(cfg, step, command)
-  return results
-
-
-def _loop(setup: Setup, sampler: Sampler, trainer: Trainer, state, data, ckpt: Checkpointer,
-          writer: MetricsWriter, clock: session.Clock, start: int):
-  """Steps from `start` until train.steps or the deadline: (the step reached, saved; its LoRA
-  weights)."""
-  cfg = setup.cfg
-  bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
-             desc="GRPO", unit="step", disable=jax.process_index() != 0)
-  step, saved = start, start
-  for step in bar:
-    if _agreed(clock.stop_before_next_step(eval_after=True)):
-      break
-    with clock.timed("step"):
-      state, metrics = _grpo_step(setup, sampler, trainer, state, next(data), step)
-    clock.times["eval_estimate"] = metrics["rollout_s"] * _eval_share(cfg)
-    writer.samples(step + 1, "rollout", metrics.pop("samples"))
-    writer.log(step + 1, metrics)
-    bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                    fmt=f"{metrics['format_rate']:.2f}", s=f"{metrics['step_time_s']:.0f}")
-    done = step + 1 == cfg.train.steps
-    if (step + 1) % cfg.train.checkpoint_every == 0 or done or _agreed(clock.save_due()):
-      with clock.timed("save"):
-        ckpt.save(step + 1, _checkpoint_tree(state), data.get_state())
-      saved = step + 1
-    if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
-      _eval_logged(setup, sampler, state.lora, writer, step + 1, f"step-{step + 1}")
-  else:
-    step = cfg.train.steps
-  bar.close()
-  if step != saved:  # stopped for the deadline after unsaved steps
-    with clock.timed("save"):
-      ckpt.save(step, _checkpoint_tree(state), data.get_state())
-  return step, state.lora
-
-
-def _eval_share(cfg: Config) -> float:
-  """Held-out evaluation tokens over one rollout's tokens (an evaluation's time, estimated
-  from the rollouts' while no evaluation has been timed in this process)."""
-  return (cfg.data.num_eval * cfg.eval.max_new_tokens) / (
-      cfg.train.batch_size * cfg.rollout.num_generations * cfg.rollout.max_new_tokens)
-
-
-def _stop_line(cfg: Config, step: int, command: str | None) -> str:
-  run = cfg.run_path
-  again = command or f"python -m reasoner train {' '.join(_overrides(cfg))}".strip()
-  line = (f"stopped for the deadline at step {step} of {cfg.train.steps} (saved in "
-          f"{run / 'checkpoints' / str(step)}); continue with: {again} "
-          f"(in a new session, with its new deadline and train.resume_from=<this run's "
-          f"output, e.g. {run.absolute()}>)")
-  if jax.process_index() == 0:
-    tqdm.write(line)
-  return line
-
-
-def _overrides(cfg: Config) -> list[str]:
-  return [f"train.run_dir={cfg.train.run_dir}", f"train.run_name={cfg.train.run_name}"]
-
-
-def _resume(cfg: Config, ckpt: Checkpointer, state, data):
-  """(state, step, origin): from this run's latest checkpoint, else from train.resume_from's
-  (origin: that run's directory, whose logs this run carries on), else step 0."""
-  own = _agreed(ckpt.latest_step() or 0)
-  src, origin = ckpt, None
-  if not own and cfg.train.resume_from:
-    folder = find_checkpoints(cfg.train.resume_from)
-    _check_compatible(cfg, folder.parent)
-    src, origin = Checkpointer(folder, 1, read_only=True), folder.parent
-  start = _agreed(src.latest_step() or 0)
-  if not start:
-    return state, 0, None
-  tree, data_state = src.restore(start, _checkpoint_tree(state))
-  data.set_state(data_state)
-  if jax.process_index() == 0:
-    tqdm.write(f"resumed from {src.directory}/{start} (step {start} of {cfg.train.steps})")
-  return state.replace(**tree), start, origin
-
-
-# What a checkpoint holds depends on these; a run of other values cannot continue from it.
-_SHAPE_KEYS = (("model", "name"), ("lora", "rank"), ("lora", "alpha"), ("lora", "module_path"))
-
-
-def _check_compatible(cfg: Config, other_run) -> None:
-  p = other_run / "config.json"
-  if not p.is_file():
-    return  # a bare checkpoints folder: the restore checks the shapes
-  old, new = json.loads(p.read_text()), cfg.to_dict()
-  diff = [f"{a}.{b}: {old.get(a, {}).get(b)!r} -> {new[a][b]!r}" for a, b in _SHAPE_KEYS
-          if old.get(a, {}).get(b) != new[a][b]]
-  if diff:
-    raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': that run "
-                          f"differs in {'; '.join(diff)}; set them as it had them")
-
-
-def _read_eval(run) -> dict:
-  p = run / "eval.json"
-  return json.loads(p.read_text()) if p.exists() else {}
-
-
 def restore_lora(setup: Setup, step: int | None = None):
   """(LoRA weights, step) of the run's checkpoint at `step` (default: the latest), read-only;
   (the initial LoRA, 0) when the run has no checkpoint and no step was asked for."""
@@ -312,7 +164,7 @@ def restore_lora(setup: Setup, step: int | None = None):
     return setup.lora, 0
   trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
   state = trainer.init_state(setup.lora, jax.random.PRNGKey(0))
-  tree, _ = ckpt.restore(step, _checkpoint_tree(state))
+  tree, _ = ckpt.restore(step, checkpoint_tree(state))
   return tree["lora"], step
 
 

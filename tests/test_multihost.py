@@ -1,7 +1,7 @@
 """Two JAX processes on this machine (4 CPU devices each, one global mesh of 8): Kaggle load and
 one GRPO step of the tiny config, checked against the same run in one process of 8 devices.
 
-Each process runs `python -m reasoner`'s `run.train` in full: restore from a tiny Kaggle-layout
+Each process runs `python -m reasoner`'s `loop.train` in full: restore from a tiny Kaggle-layout
 checkpoint, rollout, train step, orbax checkpoint, held-out eval, metrics (process 0 only).
 """
 
@@ -74,7 +74,7 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str)
   import numpy as np
   from jax.experimental import multihost_utils
 
-  from reasoner import run
+  from reasoner import loop
   from reasoner.config import load_config
   from reasoner.trainer import Trainer
 
@@ -91,7 +91,7 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str)
   cfg = load_config(ROOT / "configs" / "tiny.yaml", [
       f"train.run_dir={run_dir}", f"train.run_name={name}", "train.steps=1",
       "model.source=kaggle", f"model.path={ckpt}", "model.tokenizer=auto"])
-  run.train(cfg)
+  loop.train(cfg)
   lora = multihost_utils.process_allgather(states[-1].lora, tiled=True)
   norm = float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(lora))))
   print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),

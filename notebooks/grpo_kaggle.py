@@ -1,0 +1,192 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Teaching Gemma to reason with GRPO on a Kaggle TPU v5e-8
+#
+# This notebook trains **Gemma 3 1B** (or Gemma 2 2B) to answer grade-school math problems with
+# its reasoning written out, using **GRPO** (group relative policy optimisation) with **LoRA**
+# adapters, and hands in a model that Tunix's own Gemma code loads. Every cell calls the
+# `reasoner` library; nothing here is logic of its own, so what you read is what
+# `python -m reasoner train --config <preset>` runs.
+#
+# What happens, in order:
+# 1. **Plan**: per-chip memory and estimated step time, compiled ahead of time, and how many
+#    steps fit in this session.
+# 2. **Evaluate before training**: greedy answers on held-out problems.
+# 3. **Train** until the configured steps or the session's deadline, saving checkpoints.
+# 4. **Evaluate after**, and compare completions before and after side by side.
+# 5. **Export**: LoRA merged into the base weights, written as a Kaggle Flax checkpoint.
+#
+# A 9-hour Kaggle session is rarely enough for a full run: the last section says how a second
+# session continues exactly where this one stopped.
+
+# %% [markdown]
+# ## Install
+# On Kaggle, attach the `reasoner` repository as a dataset (*Add Input*), or set
+# `REASONER_SOURCE` to a pip-installable location of it. Skipped when `reasoner` is importable.
+
+# %%
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+if importlib.util.find_spec("reasoner") is None:
+    found = sorted(pathlib.Path("/kaggle/input").glob("*/pyproject.toml"))
+    source = os.environ.get("REASONER_SOURCE") or (str(found[0].parent) if found else None)
+    if source is None:
+        raise SystemExit("reasoner is not installed: attach its repository as a dataset or set "
+                         "REASONER_SOURCE (a path or git URL pip can install)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
+
+# %% [markdown]
+# ## Parameters
+# `CONFIG` is a preset from `configs/` and `OVERRIDES` dotted settings on top of it
+# (`train.steps=200`, `rollout.temperature=0.8`, `train.resume_from=...`). Papermill sets them:
+# `papermill grpo_kaggle.ipynb out.ipynb -p CONFIG configs/tiny.yaml`.
+
+# %% tags=["parameters"]
+CONFIG = "configs/gemma3_1b.yaml"
+OVERRIDES = []
+
+# %% [markdown]
+# ## The run
+# The preset fixes the model, data, rewards and hyperparameters; on Kaggle the run is written
+# under `/kaggle/working/runs` and the session's deadline defaults to 8h30m from the kernel's
+# start (`train.deadline`), leaving half an hour of the 9 hours for the cells after training.
+#
+# **Hyperparameters and why** (the 1B preset):
+# - **G = 8 completions per prompt, 4 prompts a step**: GRPO's advantage is each completion's
+#   reward against its own group's mean, so groups need enough spread to carry a signal; the
+#   plan below shows what the 32 sequences of 256 + 768 tokens take a chip.
+# - **LoRA rank 64 on every attention and MLP projection**: few enough parameters that the
+#   optimizer state is small, and the KL reference is the base weights themselves (LoRA at
+#   zero), never a second copy of the model.
+# - **Learning rate 3e-5, 20 warm-up steps, cosine decay**: GRPO's updates are noisy; a low rate
+#   keeps the policy close to the instruction-tuned model it starts from.
+# - **beta = 0.04 (KL to the base), clip 0.2 / 0.28 (DAPO's clip-higher)**: the KL keeps the
+#   language fluent; the wider upper clip lets rare good completions gain probability faster.
+# - **Temperature 0.9, top-k 64, top-p 0.95** for rollouts: diverse enough for group contrast;
+#   evaluation is greedy.
+
+# %%
+from reasoner import notebook as nb
+
+cfg = nb.configure(CONFIG, OVERRIDES)
+
+# %% [markdown]
+# ## Plan: memory and time before spending TPU hours
+# Both steps compiled for this machine's chips: arguments, temporaries and outputs per chip
+# against the 16 GiB of a v5e, and a roofline estimate of the step time (a lower bound). The
+# deadline, not this estimate, decides when training stops.
+
+# %%
+plan = nb.show_plan(cfg)
+
+# %% [markdown]
+# ## Data and prompt format
+# Questions come from **GSM8K** (grade-school math word problems with a numeric answer; the
+# held-out split is disjoint from training). Instruction-tuned models get Gemma's chat template;
+# base models a two-shot prompt. Either asks for
+# `<reasoning>...</reasoning><answer>...</answer>`, so the answer can be checked by a parser:
+
+# %%
+from reasoner.data import prompts
+
+print(prompts.render(cfg.data.template, "A baker made 24 rolls and sold 9. How many are left?"))
+
+# %% [markdown]
+# ## Load the model and evaluate it before training
+# The weights are restored from Kaggle straight into their shards over the 8 chips; LoRA
+# adapters are added in place. Greedy decoding on the held-out problems gives the starting point.
+
+# %%
+from reasoner.loop import Run
+
+run = Run(cfg, command="re-run this notebook")
+before = run.evaluate_before()
+nb.table(nb.eval_rows(run.path, "before"))
+
+# %% [markdown]
+# ## Train
+# **Reward design.** Each completion gets a weighted mean of plain functions, each in [0, 1]:
+# `format_exact` (weight 0.2) is 1 when the completion is exactly
+# `<reasoning>...</reasoning><answer>...</answer>`; `correct` (weight 0.8) is 1 when the answer
+# equals the reference: numbers by value (`12`, `12.0`, `$12` and `1,200`-style commas agree),
+# anything else (fractions, LaTeX) through `math-verify`.
+# Correctness dominates: format alone cannot earn more than 0.2, so the policy cannot settle on
+# a well-formatted wrong answer.
+#
+# Each step samples G completions per prompt, scores them, and updates LoRA with the clipped
+# GRPO objective (token-mean over the batch). Checkpoints are written every
+# `train.checkpoint_every` steps and when the deadline stops the loop.
+
+# %%
+stopped = run.train()
+print(stopped or f"trained to step {run.step} of {cfg.train.steps}")
+
+# %% [markdown]
+# ### Reward during training
+# Each dot is one step's mean rollout reward (sampled, so noisy); the line its 5-step mean; the
+# circles the held-out greedy evaluations.
+
+# %%
+nb.show_plot(run.writer.plot())
+
+# %% [markdown]
+# ## Evaluate after training
+
+# %%
+after = run.evaluate_after()
+summary, pairs = nb.compare(run)
+summary
+
+# %% [markdown]
+# ### Completions before and after, on the same held-out questions
+
+# %%
+pairs
+
+# %% [markdown]
+# ## Export the trained model
+# LoRA is merged into the base weights (in the base dtype) and written in the upstream Kaggle
+# Flax layout with its `tokenizer.model`. Tunix loads it with its own code:
+#
+# ```python
+# from tunix.models.gemma3 import model, params
+# m = params.create_model_from_checkpoint(f"{out}/gemma3-1b-it", model.ModelConfig.gemma3_1b_it())
+# ```
+#
+# and `reasoner` with `model.path=<out>`. To hand it in as a Kaggle model:
+# `kagglehub.model_upload("<you>/<model>/flax/<variation>", str(out))`.
+
+# %%
+run.close()
+out = nb.export(run)
+sorted(p.name for p in out.iterdir())
+
+# %% [markdown]
+# ## Continuing in a second session
+# When the deadline stops training, the last checkpoint is in this notebook's output. In a new
+# session, add this notebook's output as an input (Kaggle mounts it read-only under
+# `/kaggle/input/<notebook>`) and set:
+#
+# ```python
+# OVERRIDES = ["train.resume_from=/kaggle/input/<notebook>/runs/<run_name>"]
+# ```
+#
+# The run continues from the saved step with the same optimizer state, data order and random
+# keys, so two sessions end where one long session would; its logs carry the first session's
+# rows. Re-running the notebook in the same session resumes from the run's own checkpoints.

@@ -1,0 +1,207 @@
+"""The training run: resume, evaluate before, GRPO steps until done or the session's deadline,
+evaluate after. `python -m reasoner train` calls `train`; the notebook calls the same phases of
+`Run` in cells of their own.
+
+A run resumes from its own latest checkpoint, else from `train.resume_from` (another session's
+output, read-only: its logs are carried over, so this run's directory reads as one run's). Each
+step's rows are logged once: rows past the restored step are dropped. With `train.deadline`,
+the loop stops before a step that would leave too little time for the final save, evaluation
+and export (`session.Clock`), saves, and says how to continue.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+from tqdm import tqdm
+
+from reasoner import session
+from reasoner.build import build
+from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints
+from reasoner.config import Config, ConfigError
+from reasoner.data import sources
+from reasoner.metrics import MetricsWriter
+from reasoner.run import agreed, checkpoint_tree, eval_logged, grpo_step, make_sampler
+from reasoner.trainer import Trainer
+
+
+def train(cfg: Config, command: str | None = None) -> dict:
+  """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results, and
+  'stopped' (the line that says how to continue) when the deadline stopped it early.
+  `command` is what the user ran, repeated in that line."""
+  run = Run(cfg, command)
+  if cfg.train.eval_before:
+    run.evaluate_before()
+  run.train()
+  run.evaluate_after()
+  run.close()
+  return run.results
+
+
+class Run:
+  """One session of a run: built, resumed and its logs opened on construction."""
+
+  def __init__(self, cfg: Config, command: str | None = None):
+    self.cfg, self.command = cfg, command
+    deadline = session.parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
+    self.clock = session.Clock(deadline, cfg.train.checkpoint_minutes)
+    if self.clock.left() <= 0:
+      raise ConfigError(f"config key 'train.deadline' = {cfg.train.deadline!r}: already past "
+                        f"({session.duration(-self.clock.left())} ago)")
+    with self.clock.timed("load"):
+      self.setup = build(cfg)
+    self.path = cfg.run_path
+    self.writer = MetricsWriter(self.path)
+    self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
+    self.trainer = Trainer(self.setup.graphdef, self.setup.base, cfg)
+    self.sampler = make_sampler(self.setup)
+    self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)
+    state = self.trainer.init_state(self.setup.lora, jax.random.PRNGKey(cfg.train.seed))
+    # Every process draws the same global batch of questions (a few KB of text); placement
+    # (mesh.put_batch) gives each process's devices only their rows.
+    self.data = sources.train_iterator(self.setup.train_records, cfg.train.batch_size,
+                                       cfg.train.seed)
+    self.state, self.start, origin = self._resume(state)
+    self.step = self.start
+    self.writer.start(self.start, carry_over=origin)
+    self.results = read_eval(self.path) if jax.process_index() == 0 else {}
+    if "seconds" in self.results.get("before", {}):  # timed in an earlier session
+      self.clock.measured("eval", self.results["before"]["seconds"])
+
+  @property
+  def stopped(self) -> bool:
+    return self.step < self.cfg.train.steps
+
+  def evaluate_before(self) -> dict:
+    """The held-out evaluation of the model before training (once per run, kept in eval.json)."""
+    if agreed("before" in self.results):
+      return self.results.get("before", {})  # (process 0 holds the results)
+    with self.clock.timed("eval"):
+      result = eval_logged(self.setup, self.sampler, self.state.lora, self.writer, 0, "before")
+    self.results["before"] = {**result, "seconds": self.clock.times["eval"]}
+    self.writer.write_json("eval.json", self.results)
+    return self.results["before"]
+
+  def train(self) -> str | None:
+    """GRPO steps until train.steps or the deadline; the line that says how to continue when
+    the deadline stopped it."""
+    self.step, self.state = self._loop(self.state)
+    if not self.stopped:
+      return None
+    if self.step == self.start:
+      raise ConfigError(
+          f"config key 'train.deadline' = {self.cfg.train.deadline!r}: too short for one step "
+          f"({session.duration(self.clock.left())} left; the final save, evaluation and export "
+          f"alone take {session.duration(self.clock.reserve(True))})")
+    self.results["stopped"] = self._stop_line()
+    return self.results["stopped"]
+
+  def evaluate_after(self) -> dict:
+    tag = f"step-{self.step}" if self.stopped else "after"
+    self.results["after"] = eval_logged(self.setup, self.sampler, self.state.lora, self.writer,
+                                        self.step, tag)
+    self.writer.write_json("eval.json", {k: v for k, v in self.results.items()
+                                         if k != "stopped"})
+    before = self.results.get("before")
+    if before and jax.process_index() == 0:
+      tqdm.write(f"held-out mean reward {before['mean_reward']:.3f} -> "
+                 f"{self.results['after']['mean_reward']:.3f}; run in {self.path}")
+    return self.results["after"]
+
+  def close(self) -> pathlib.Path | None:
+    """Writes reward.png (returned) and closes the logs and the checkpoint manager."""
+    plot = self.writer.plot()
+    self.writer.close()
+    self.ckpt.close()
+    if self.stopped and jax.process_index() == 0:
+      tqdm.write(self.results["stopped"])  # last, where the user looks
+    return plot
+
+  def _loop(self, state):
+    cfg, clock = self.cfg, self.clock
+    bar = tqdm(range(self.start, cfg.train.steps), initial=self.start, total=cfg.train.steps,
+               desc="GRPO", unit="step", disable=jax.process_index() != 0)
+    step, saved = self.start, self.start
+    for step in bar:
+      if agreed(clock.stop_before_next_step(eval_after=True)):
+        break
+      with clock.timed("step"):
+        state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state,
+                                   next(self.data), step)
+      clock.times["eval_estimate"] = metrics["rollout_s"] * _eval_share(cfg)
+      self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
+      self.writer.log(step + 1, metrics)
+      bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+                      fmt=f"{metrics['format_rate']:.2f}", s=f"{metrics['step_time_s']:.0f}")
+      done = step + 1 == cfg.train.steps
+      if (step + 1) % cfg.train.checkpoint_every == 0 or done or agreed(clock.save_due()):
+        self._save(step + 1, state)
+        saved = step + 1
+      if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
+        eval_logged(self.setup, self.sampler, state.lora, self.writer, step + 1,
+                    f"step-{step + 1}")
+    else:
+      step = cfg.train.steps
+    bar.close()
+    if step != saved:  # stopped for the deadline after unsaved steps
+      self._save(step, state)
+    return step, state
+
+  def _save(self, step: int, state) -> None:
+    with self.clock.timed("save"):
+      self.ckpt.save(step, checkpoint_tree(state), self.data.get_state())
+
+  def _stop_line(self) -> str:
+    again = self.command or "the same command"
+    return (f"stopped for the deadline at step {self.step} of {self.cfg.train.steps} (saved in "
+            f"{self.path / 'checkpoints' / str(self.step)}); continue with: {again} (in a new "
+            f"session: its own train.deadline and train.resume_from=<this run's output, here "
+            f"{self.path.absolute()}>)")
+
+  def _resume(self, state):
+    """(state, step, origin): from this run's latest checkpoint, else from train.resume_from's
+    (origin: that run's directory, whose logs this run carries on), else step 0."""
+    cfg = self.cfg
+    src, origin = self.ckpt, None
+    if not agreed(self.ckpt.latest_step() or 0) and cfg.train.resume_from:
+      folder = find_checkpoints(cfg.train.resume_from)
+      check_compatible(cfg, folder.parent)
+      src, origin = Checkpointer(folder, 1, read_only=True), folder.parent
+    start = agreed(src.latest_step() or 0)
+    if not start:
+      return state, 0, None
+    tree, data_state = src.restore(start, checkpoint_tree(state))
+    self.data.set_state(data_state)
+    if jax.process_index() == 0:
+      tqdm.write(f"resumed from {src.directory}/{start} (step {start} of {cfg.train.steps})")
+    return state.replace(**tree), start, origin
+
+
+def _eval_share(cfg: Config) -> float:
+  """Held-out evaluation tokens over one rollout's tokens (an evaluation's time, estimated
+  from the rollouts' while no evaluation has been timed)."""
+  return (cfg.data.num_eval * cfg.eval.max_new_tokens) / (
+      cfg.train.batch_size * cfg.rollout.num_generations * cfg.rollout.max_new_tokens)
+
+
+# What a checkpoint holds depends on these; a run of other values cannot continue from it.
+_SHAPE_KEYS = (("model", "name"), ("lora", "rank"), ("lora", "alpha"), ("lora", "module_path"))
+
+
+def check_compatible(cfg: Config, other_run: pathlib.Path) -> None:
+  p = other_run / "config.json"
+  if not p.is_file():
+    return  # a bare checkpoints folder: the restore checks the shapes
+  old, new = json.loads(p.read_text()), cfg.to_dict()
+  diff = [f"{a}.{b}: {old.get(a, {}).get(b)!r} -> {new[a][b]!r}" for a, b in _SHAPE_KEYS
+          if old.get(a, {}).get(b) != new[a][b]]
+  if diff:
+    raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': that run "
+                          f"differs in {'; '.join(diff)}; set them as it had them")
+
+
+def read_eval(run: pathlib.Path) -> dict:
+  p = run / "eval.json"
+  return json.loads(p.read_text()) if p.exists() else {}

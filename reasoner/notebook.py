@@ -1,0 +1,123 @@
+"""What the Kaggle notebook's cells call (notebooks/grpo_kaggle.py): each cell is one of these.
+
+Kaggle is detected, not assumed (`session.on_kaggle`): there, runs are written under
+/kaggle/working (the inputs under /kaggle/input are read-only) and the session's deadline
+defaults to 8h30m from the kernel's start, half an hour inside Kaggle's 9 hours for the cells
+after training. Elsewhere the same notebook runs as it is, with neither default.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+from reasoner import session
+from reasoner.config import Config, load_config
+
+KAGGLE_DEADLINE = "8h30m"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def configure(config: str, overrides: list[str]) -> Config:
+  """The preset (a path from here or from the repository) with the overrides and, on Kaggle,
+  the run directory and deadline defaults; prints what will run."""
+  path = pathlib.Path(config)
+  if not path.is_file() and (ROOT / config).is_file():
+    path = ROOT / config
+  keys = {o.split("=", 1)[0].strip() for o in overrides}
+  extra = []
+  if session.on_kaggle():
+    extra += [] if "train.run_dir" in keys else [f"train.run_dir={session.writable_root()}/runs"]
+    extra += [] if "train.deadline" in keys else [f"train.deadline={KAGGLE_DEADLINE}"]
+  cfg = load_config(path, [*overrides, *extra])
+  r, t = cfg.rollout, cfg.train
+  print(f"{cfg.model.name} ({cfg.model.source}, {cfg.model.dtype}, remat {cfg.model.remat}), "
+        f"LoRA rank {cfg.lora.rank}; data {cfg.data.source} ({cfg.data.template} prompts); "
+        f"{t.steps} steps of {t.batch_size} prompts x G = {r.num_generations}, up to "
+        f"{r.max_new_tokens} new tokens; run {cfg.run_path}"
+        + (f"; deadline {t.deadline}" if t.deadline else "")
+        + ("; on Kaggle" if session.on_kaggle() else ""))
+  return cfg
+
+
+def show_plan(cfg: Config) -> dict:
+  """Per-chip HBM and FLOPs of the train and rollout steps, compiled for this machine's chips
+  (v5e limits on a CPU), and how many steps the session's time holds at that estimate."""
+  import jax
+
+  from reasoner import plan
+
+  topology = "v5e:2x4" if jax.default_backend() == "tpu" else "cpu"
+  report = plan.plan(cfg, topology, search=False)
+  print(plan.format_report(report))
+  step_s = report["train"].seconds(report["chip"]) + report["rollout"].seconds(report["chip"])
+  deadline = cfg.train.deadline and session.parse_deadline(cfg.train.deadline)
+  if deadline:
+    left = deadline - time.time()
+    fit = int(left // step_s) if step_s > 0 else cfg.train.steps
+    print(f"estimated step {step_s:.3g} s (roofline: a lower bound); {session.duration(left)} "
+          f"left in this session hold at most {fit} steps; train.steps = {cfg.train.steps} "
+          "(the deadline stops the loop in time whatever the estimate)")
+  else:
+    print(f"estimated step {step_s:.3g} s (roofline: a lower bound); no deadline set")
+  return report
+
+
+def table(rows: list[dict], n: int = 4):
+  """A few evaluation rows as a table (question, reference answer, completion, reward)."""
+  import pandas as pd
+
+  return pd.DataFrame([{"question": r["question"], "reference": r["answer"],
+                        "completion": r["completion"], "reward": round(r["reward"], 2)}
+                       for r in rows[:n]])
+
+
+def eval_rows(run_path: pathlib.Path, tag: str) -> list[dict]:
+  """The rows of the latest evaluation tagged `tag` ('before', 'after', 'step-N') in the run."""
+  p = pathlib.Path(run_path) / "samples.jsonl"
+  rows = [json.loads(l) for l in p.read_text().splitlines()] if p.is_file() else []
+  rows = [r for r in rows if r["tag"] == f"eval-{tag}"]
+  last = max((r["step"] for r in rows), default=None)
+  return [r for r in rows if r["step"] == last]
+
+
+def compare(run, n: int = 6):
+  """Before / after: mean reward, accuracy and format rate, and the first `n` held-out questions
+  with both completions side by side."""
+  import pandas as pd
+
+  after_tag = f"step-{run.step}" if run.stopped else "after"
+  before, after = eval_rows(run.path, "before"), eval_rows(run.path, after_tag)
+  summary = pd.DataFrame({k: {m: run.results[k][m] for m in ("mean_reward", "accuracy",
+                                                              "format_rate")}
+                          for k in ("before", "after") if k in run.results}).T
+  by_q = {r["question"]: r for r in after}
+  pairs = pd.DataFrame([{"question": b["question"], "reference": b["answer"],
+                         "before": b["completion"], "reward before": round(b["reward"], 2),
+                         "after": by_q[b["question"]]["completion"],
+                         "reward after": round(by_q[b["question"]]["reward"], 2)}
+                        for b in before[:n] if b["question"] in by_q])
+  return summary, pairs
+
+
+def show_plot(path: pathlib.Path | None):
+  """reward.png inline (IPython), or its path where there is no display."""
+  if path is None or not pathlib.Path(path).is_file():
+    print("no reward plot: no step was logged")
+    return None
+  from IPython.display import Image
+
+  return Image(filename=str(path))
+
+
+def export(run, formats: tuple[str, ...] = ("orbax",)) -> pathlib.Path:
+  """The run's latest checkpoint merged into the base as <run>/export-step-<N> (a Kaggle Flax
+  folder: upload it as a Kaggle model, or load it with Tunix); kept if already written."""
+  from reasoner import export as export_lib
+
+  out = run.path / f"export-step-{run.step}"
+  if (out / "export.json").is_file():
+    print(f"{out} already holds the export of step {run.step}")
+    return out
+  return export_lib.export(run.cfg, out, run.step, ("orbax", *formats), setup=run.setup)

@@ -1,0 +1,54 @@
+"""The Kaggle notebook: its .ipynb is generated from the .py, and it runs headless to the end."""
+
+import json
+
+import jupytext
+import nbformat
+import pytest
+
+from conftest import ROOT
+
+PY, IPYNB = ROOT / "notebooks" / "grpo_kaggle.py", ROOT / "notebooks" / "grpo_kaggle.ipynb"
+
+
+def _cells(nb):
+  return [(c.cell_type, c.source, sorted(c.metadata.get("tags", []))) for c in nb.cells]
+
+
+def test_ipynb_is_generated_from_the_py():
+  """`make notebook` regenerates it (jupytext --to ipynb)."""
+  assert _cells(jupytext.read(PY)) == _cells(nbformat.read(IPYNB, as_version=4)), (
+      "notebooks/grpo_kaggle.ipynb differs from grpo_kaggle.py: run `make notebook`")
+
+
+def test_parameters_cell_defines_only_config_and_overrides():
+  cells = [c for c in nbformat.read(IPYNB, as_version=4).cells
+           if "parameters" in c.metadata.get("tags", [])]
+  assert len(cells) == 1
+  names = {}
+  exec(cells[0].source, {}, names)
+  assert sorted(names) == ["CONFIG", "OVERRIDES"]
+
+
+@pytest.mark.slow
+def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
+  import papermill
+
+  out = tmp_path / "out.ipynb"
+  papermill.execute_notebook(
+      str(IPYNB), str(out), cwd=str(ROOT), progress_bar=False, kernel_name="python3",
+      parameters={"CONFIG": "configs/tiny.yaml",
+                  "OVERRIDES": [f"train.run_dir={tmp_path / 'runs'}", "train.steps=2",
+                                "train.eval_before=true"]})
+  nb = nbformat.read(out, as_version=4)
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  html = [o.data["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+  assert any("mean_reward" in h and "before" in h and "after" in h for h in html)  # eval table
+  assert any("reward before" in h and "reward after" in h for h in html)  # completions
+  assert any("image/png" in o.get("data", {}) for o in outputs)  # the reward plot
+  text = "".join(o.get("text", "") for o in outputs)
+  assert "trained to step 2 of 2" in text and "per chip" in text  # training, the plan
+  export = tmp_path / "runs" / "tiny" / "export-step-2"
+  assert json.loads((export / "export.json").read_text())["step"] == 2
+  assert (export / "tiny" / "_CHECKPOINT_METADATA").is_file()
