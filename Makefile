@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/embedded.yaml
 ARGS   ?=
 BENCH  ?=
+PRESET ?= gemma3_1b
 
 .PHONY: setup train eval sample test bench notebook rehearse clean
 
@@ -31,6 +32,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
+
+# A TPU preset on 8 fake CPU devices against a random checkpoint of its real shapes (slow).
+rehearse: $(STAMP)
+	$(PY) tools/rehearse.py $(PRESET)
 
 # notebooks/grpo_kaggle.ipynb is generated from grpo_kaggle.py (a test checks they agree).
 notebook: $(STAMP)

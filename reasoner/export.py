@@ -9,7 +9,9 @@ load `DIR/<variant>`, `model.path=DIR` loads it back here, and it uploads as a K
 `--format safetensors` adds `DIR/model.safetensors` with Hugging Face's parameter names.
 
 Each merged parameter is W + (alpha / r) A B, formed inside `jax.jit` with W's own sharding (in
-W's dtype), so no parameter is ever whole on one device; orbax writes each process's shards.
+W's dtype), so no parameter is ever whole on one device; orbax writes each process's shards,
+copying to the host no more than about the largest parameter's bytes at a time
+(`save_device_host_concurrent_gb`).
 The safetensors file is written one tensor at a time (its header first): the host holds at
 most one full parameter. The folder is written beside DIR and renamed into place: an export
 that fails leaves nothing half-written, and an existing non-empty DIR is never touched.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import pathlib
 import shutil
 import struct
@@ -211,8 +214,12 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
   _sync("export-start")
   import orbax.checkpoint as ocp
 
-  with ocp.PyTreeCheckpointer() as ckptr:
-    ckptr.save(tmp / variant, upstream_tree(family, params))
+  tree = upstream_tree(family, params)
+  largest = max(x.nbytes for leaves in tree.values() for x in leaves.values())
+  # Device -> host copies wait for earlier arrays' writes past this: about one parameter held.
+  handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=math.ceil(largest / 1e9))
+  with ocp.Checkpointer(handler) as ckptr:
+    ckptr.save(tmp / variant, args=ocp.args.PyTreeSave(tree))
   if "safetensors" in formats:
     write_safetensors(tmp / "model.safetensors", hf_tensors(params), params)
   if jax.process_index() == 0:

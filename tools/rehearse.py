@@ -1,0 +1,116 @@
+"""A dress rehearsal of a TPU preset on this machine: `make rehearse PRESET=gemma3_1b`.
+
+There is no TPU and no Kaggle download here, so the preset runs on 8 fake CPU devices against a
+random-weight checkpoint of the real shapes, written in the Kaggle Flax layout (parameters born
+sharded, written by orbax shard by shard) with the embedded model's `tokenizer.model`. Lengths
+are cut (steps, G, new tokens, held-out problems) and the data is the generated arithmetic set
+(GSM8K needs the network); everything else is the preset's: remat, dtype, mesh, LoRA rank,
+micro-batches, deadline, checkpoints, resume from a read-only copy, export, and loading the
+export back. Each phase runs in its own process; the table gives its wall time and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CUT = ["train.steps=2", "train.checkpoint_every=1", "rollout.num_generations=2",
+       "rollout.max_new_tokens=16", "eval.max_new_tokens=16", "eval.batch_size=8",
+       "data.source=arithmetic", "data.num_train=64", "data.num_eval=8", "train.deadline=8h45m"]
+
+
+def write_checkpoint(preset: str, out: pathlib.Path) -> None:
+  """Random weights of the preset's model in the upstream layout, and the embedded tokenizer."""
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from reasoner import export, mesh as mesh_lib
+  from reasoner.config import load_config
+  from reasoner.models import gemma, gguf
+
+  cfg = load_config(ROOT / "configs" / f"{preset}.yaml")
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  spec = gemma.model_spec(cfg.model)
+  model = gemma.init_random(spec, mesh, 0)
+  params = {p: v.value for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  family = "gemma2" if cfg.model.name.startswith("gemma2") else "gemma3"
+  with ocp.PyTreeCheckpointer() as c:
+    c.save(out / export.variant_name(cfg), export.upstream_tree(family, params))
+  tok = gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()
+  (out / "tokenizer.model").write_bytes(tok.model_proto)
+  del model, params
+  jax.clear_caches()
+
+
+def phase(name: str, argv: list[str], rows: list, env: dict) -> None:
+  """Runs one phase in its own process under /usr/bin/time (its peak RSS)."""
+  print(f"== {name}: {' '.join(argv)}", flush=True)
+  t0 = time.time()
+  log = tempfile.NamedTemporaryFile("w+", suffix=".rss", delete=False)
+  p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", log.name, *argv], cwd=ROOT, env=env)
+  wall = time.time() - t0
+  rss = int(pathlib.Path(log.name).read_text().split()[-1]) / 2**20  # KiB -> GiB
+  rows.append((name, wall, rss, p.returncode))
+  print(f"== {name}: {wall:.0f} s, peak RSS {rss:.2f} GiB, exit {p.returncode}", flush=True)
+  if p.returncode:
+    report(rows)
+    sys.exit(f"rehearsal failed in phase '{name}'")
+
+
+def report(rows: list) -> None:
+  print(f"\n{'phase':<34}{'wall':>10}{'peak RSS':>12}{'exit':>6}")
+  for name, wall, rss, code in rows:
+    print(f"{name:<34}{wall:>9.0f}s{rss:>9.2f} GiB{code:>6}")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("preset", help="gemma3_1b or gemma2_2b (configs/<preset>.yaml)")
+  ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
+  ap.add_argument("--write-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.write_checkpoint:
+    return write_checkpoint(args.preset, pathlib.Path(args.write_checkpoint))
+  work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix=f"rehearse-{args.preset}-"))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  py, cfg = sys.executable, str(ROOT / "configs" / f"{args.preset}.yaml")
+  ckpt, runs = work / "kaggle", work / "runs"
+  common = [f"model.path={ckpt}", f"train.run_dir={runs}", *CUT]
+  rows: list = []
+  phase("write random checkpoint", [py, __file__, args.preset, "--write-checkpoint", str(ckpt)],
+        rows, env)
+  phase("plan (CPU devices)", [py, "-m", "reasoner", "plan", "--config", cfg, "--topology", "cpu",
+                               "--no-search", *common], rows, env)
+  phase("session 1: train 2 steps", [py, "-m", "reasoner", "train", "--config", cfg, *common,
+                                     "train.run_name=s1"], rows, env)
+  copy = work / "input" / "s1"  # the next session reads it as Kaggle mounts it: a copy, read-only
+  shutil.copytree(runs / "s1", copy)
+  for p in [copy, *copy.rglob("*")]:
+    p.chmod(p.stat().st_mode & ~0o222)
+  phase("session 2: resume, 1 more step", [py, "-m", "reasoner", "train", "--config", cfg,
+                                           *common, "train.run_name=s2", "train.steps=3",
+                                           f"train.resume_from={copy}"], rows, env)
+  phase("export", [py, "-m", "reasoner", "export", "--config", cfg, *common,
+                   "train.run_name=s2", "train.steps=3", "--out", str(work / "export")],
+        rows, env)
+  phase("load the export back, evaluate", [py, "-m", "reasoner", "eval", "--config", cfg,
+                                           *common, f"model.path={work / 'export'}",
+                                           "train.run_name=fresh"], rows, env)
+  report(rows)
+  if not args.dir:
+    for p in [copy, *copy.rglob("*")]:
+      p.chmod(p.stat().st_mode | 0o200)
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+  main()
