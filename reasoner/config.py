@@ -20,6 +20,21 @@ from typing import Any, Literal
 import yaml
 
 
+class _Loader(yaml.SafeLoader):
+  """YAML 1.1 reads '1e-5' and '3E-4' as strings (its floats need a dot and a signed exponent);
+  here every form Python reads as a float is one."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str) -> Any:
+  return yaml.load(text, Loader=_Loader)
+
+
 class ConfigError(ValueError):
   """A configuration value is missing, unknown, of the wrong type or impossible."""
 
@@ -41,6 +56,9 @@ class ModelConfig:
   dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "block", "decoder"] = "none"
   tokenizer: Literal["auto", "bytes"] = "auto"  # bytes: a 259-id byte tokenizer (tests)
+  # Only the first N decoder layers, every width as the model's (a checkpoint's other layers are
+  # not read): rehearsing a preset on a small host (`make rehearse`). null: all layers.
+  layers: int | None = None
   # Shapes used when name == "tiny" (random init; a tiny test checkpoint must match them).
   tiny_layers: int = 2
   tiny_embed_dim: int = 64
@@ -58,6 +76,8 @@ class ModelConfig:
             "checkpoint) when model.name is 'tiny'")
     if self.source == "kaggle":
       self._check_kaggle()
+    if self.layers is not None and self.layers < 1:
+      _fail("model.layers", self.layers, "a positive integer or null (all layers)")
     for f in ("tiny_layers", "tiny_embed_dim", "tiny_hidden_dim", "tiny_heads", "tiny_head_dim"):
       if getattr(self, f) < 1:
         _fail(f"model.{f}", getattr(self, f), "a positive integer")
@@ -448,7 +468,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
       raise ConfigError(f"override {override!r}: '{'.'.join(parts[:i + 1])}' is not a section")
     node = child
   try:
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = _yaml(raw)
   except yaml.YAMLError as e:
     raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from None
 
@@ -466,7 +486,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[st
     if not p.is_file():
       raise ConfigError(f"config file '{p}' does not exist")
     try:
-      tree = yaml.safe_load(p.read_text()) or {}
+      tree = _yaml(p.read_text()) or {}
     except yaml.YAMLError as e:
       raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
     if not isinstance(tree, dict):

@@ -56,3 +56,12 @@ def test_prompt_buckets_are_checked_against_the_prompt_limit():
     tiny_config("rollout.prompt_buckets=[256,128]")
   with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets'.*max_prompt_tokens = 640"):
     tiny_config("rollout.prompt_buckets=[64,128]")
+
+
+@pytest.mark.parametrize("text,value", [("1e-5", 1e-5), ("3E-4", 3e-4), ("1.0e+30", 1e30),
+                                        ("2.5e3", 2500.0), ("1_000", 1000.0), ("3.0e-5", 3e-5)])
+def test_numbers_in_scientific_notation(tmp_path, text, value):
+  assert load_config(None, [f"optim.learning_rate={text}"]).optim.learning_rate == value
+  f = tmp_path / "c.yaml"
+  f.write_text(f"optim:\n  learning_rate: {text}\n")
+  assert load_config(f).optim.learning_rate == value

@@ -341,3 +341,19 @@ def test_gemma3_1b_config_fails_fast_with_one_line(tmp_path, creds):
   assert ("cannot be reached" if creds else "no Kaggle credentials were found") in errors[0]
   assert "model.path" in errors[0]
   assert elapsed < 90, elapsed  # imports dominate; the checks themselves take < 5 s
+
+
+def test_model_layers_reads_only_the_first_layers(download):
+  """`model.layers` (rehearsals): the first N layers of a deeper checkpoint, as they are there."""
+  import dataclasses
+
+  root, tree = download
+  cfg = dataclasses.replace(tiny_config().model, layers=1)
+  spec = gemma.model_spec(cfg, 384)
+  model = kaggle.restore(spec, mesh_of(8), root / "gemma3-1b-it")
+  assert len(model.layers) == 1 and spec.num_layers == 1
+  q = np.asarray(model.layers[0].attn.q_einsum.w.value)
+  np.testing.assert_array_equal(q, np.asarray(tree["transformer/layer_0/attn/q_einsum"]["w"],
+                                              np.float32))
+  with pytest.raises(ConfigError, match="config key 'model.layers' = 0: expected a positive"):
+    tiny_config("model.layers=0")

@@ -291,3 +291,22 @@ def test_sampler_runs_with_block_and_decoder_remat():
   for remat in ("block", "decoder"):
     np.testing.assert_array_equal(out[remat][0], out["none"][0])
     np.testing.assert_array_equal(out[remat][1], out["none"][1])
+
+
+def test_building_the_sampler_leaves_the_train_steps_remat():
+  """The sampler's graphdef without remat is a copy: the model the train step is traced from
+  still recomputes, so `plan` (which builds the sampler's graphdef first, as a run does) counts
+  more train FLOPs for block and decoder remat than for none."""
+  from reasoner import plan
+  from reasoner.run import make_sampler
+
+  s = _nonzero_lora("model.remat=block")
+  before = repr(s.graphdef)
+  make_sampler(s)
+  assert repr(s.graphdef) == before and "BLOCK" in before
+  flops = {}
+  for remat in ("none", "block", "decoder"):
+    cfg = tiny_config(f"model.remat={remat}", "train.batch_size=8",
+                      "rollout.max_new_tokens=32")
+    flops[remat] = plan.plan(cfg, "cpu", search=False)["train"].flops
+  assert flops["block"] > 1.05 * flops["none"] and flops["decoder"] > 1.05 * flops["none"], flops

@@ -7,6 +7,7 @@ embedding (``reasoner.heads``). qwix's LoRA intercepts ``hidden_states``.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -170,6 +171,10 @@ def model_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     tcfg = presets[cfg.name]()
   changes = {"remat_config": getattr(lib.RematConfig, cfg.remat.upper()),
              "shd_config": lib.ShardingConfig.get_default_sharding()}
+  if cfg.layers is not None and cfg.layers < tcfg.num_layers:
+    changes["num_layers"] = cfg.layers
+    if hasattr(tcfg, "attention_types"):  # Gemma 2 lists one type a layer
+      changes["attention_types"] = tuple(tcfg.attention_types)[:cfg.layers]
   if hasattr(tcfg, "param_dtype"):  # Tunix's Gemma2 config has no dtype field (always bf16)
     changes["param_dtype"] = dtype
   tcfg = dataclasses.replace(tcfg, **changes)
@@ -231,8 +236,9 @@ def without_remat(graphdef, lora, base):
   under block or decoder remat) cannot run inside the decode loop, where the module was merged
   outside the `while_loop` (TraceContextError). `lora`, `base`: the states `graphdef` was split
   with (`lora.split`; arrays or ShapeDtypeStructs, nothing is copied); they merge with the
-  graphdef returned."""
-  model = nnx.merge(graphdef, lora, base)
+  graphdef returned. `graphdef` itself is left as it was: merging shares its static attributes
+  with the module built, so the module is built from a copy (static data only, no arrays)."""
+  model = nnx.merge(copy.deepcopy(graphdef), lora, base)
   for _, node in nnx.iter_graph(model):
     if hasattr(node, "remat_config"):  # Tunix's Attention keeps its own
       node.remat_config = type(node.remat_config).NONE
