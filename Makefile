@@ -7,6 +7,7 @@ CONFIG ?= configs/embedded.yaml
 ARGS   ?=
 BENCH  ?=
 PRESET ?= gemma3_1b
+DEVICES ?= 8
 
 .PHONY: setup train eval sample test bench notebook rehearse clean
 
@@ -35,7 +36,7 @@ bench: $(STAMP)
 
 # A TPU preset on 8 fake CPU devices against a random checkpoint of its real shapes (slow).
 rehearse: $(STAMP)
-	$(PY) tools/rehearse.py $(PRESET)
+	$(PY) tools/rehearse.py $(PRESET) --devices $(DEVICES)
 
 # notebooks/grpo_kaggle.ipynb is generated from grpo_kaggle.py (a test checks they agree).
 notebook: $(STAMP)

@@ -78,13 +78,14 @@ def report(rows: list) -> None:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("preset", help="gemma3_1b or gemma2_2b (configs/<preset>.yaml)")
+  ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (the mesh's size)")
   ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
   ap.add_argument("--write-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.write_checkpoint:
     return write_checkpoint(args.preset, pathlib.Path(args.write_checkpoint))
   work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix=f"rehearse-{args.preset}-"))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}",
              JAX_PLATFORMS="cpu")
   py, cfg = sys.executable, str(ROOT / "configs" / f"{args.preset}.yaml")
   ckpt, runs = work / "kaggle", work / "runs"
