@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def loop_interrupted():
+  """`reasoner.loop.Interrupted` once jax is loaded (the loop saved, then stopped); else a class
+  nothing raises, so that a bad config never imports jax."""
+  loop = sys.modules.get("reasoner.loop")
+  return loop.Interrupted if loop else type("NeverRaised", (Exception,), {})
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   args, extra = parser.parse_known_args(argv)  # overrides may follow flags: a=1 --flag b=2
@@ -82,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, DataError, RewardError, FileNotFoundError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except loop_interrupted() as e:
+    print(e, file=sys.stderr)
+    return e.code
   except KeyboardInterrupt:
     print("interrupted; the latest checkpoint is intact, re-run the same command to resume",
           file=sys.stderr)

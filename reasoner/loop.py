@@ -11,8 +11,13 @@ and export (`session.Clock`), saves, and says how to continue.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
+import signal
+import sys
+import threading
 
 import jax
 from tqdm import tqdm
@@ -27,6 +32,14 @@ from reasoner.run import agreed, checkpoint_tree, eval_logged, grpo_step, make_s
 from reasoner.trainer import Trainer
 
 
+class Interrupted(Exception):
+  """SIGTERM or SIGINT stopped the run after saving; `code` is the exit status (143, 130)."""
+
+  def __init__(self, line: str, code: int):
+    super().__init__(line)
+    self.code = code
+
+
 def train(cfg: Config, command: str | None = None) -> dict:
   """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results, and
   'stopped' (the line that says how to continue) when the deadline stopped it early.
@@ -34,7 +47,11 @@ def train(cfg: Config, command: str | None = None) -> dict:
   run = Run(cfg, command)
   if cfg.train.eval_before:
     run.evaluate_before()
-  run.train()
+  try:
+    run.train()
+  except Interrupted:
+    run.close()
+    raise
   run.evaluate_after()
   run.close()
   return run.results
@@ -86,8 +103,16 @@ class Run:
 
   def train(self) -> str | None:
     """GRPO steps until train.steps or the deadline; the line that says how to continue when
-    the deadline stopped it."""
-    self.step, self.state = self._loop(self.state)
+    the deadline stopped it. SIGTERM (a session's end, `docker stop`, preemption) or SIGINT
+    finishes the step in flight, saves, and raises `Interrupted`; a second signal exits at once."""
+    with self._signals() as received:
+      self.step, self.state = self._loop(self.state, received)
+    if received:
+      name = signal.Signals(received[0]).name
+      self.results["stopped"] = (f"{name}: saved step {self.step} of {self.cfg.train.steps} in "
+                                 f"{self.path / 'checkpoints' / str(self.step)}; continue with: "
+                                 f"{self.command or 'the same command'}")
+      raise Interrupted(self.results["stopped"], 128 + received[0])
     if not self.stopped:
       return None
     if self.step == self.start:
@@ -119,13 +144,37 @@ class Run:
       tqdm.write(self.results["stopped"])  # last, where the user looks
     return plot
 
-  def _loop(self, state):
+  @contextlib.contextmanager
+  def _signals(self):
+    """Collects SIGTERM / SIGINT while the loop runs (main thread only); a second one exits."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+      yield received
+      return
+
+    def on_signal(signum, frame):
+      if received:
+        print(f"second {signal.Signals(signum).name}: exiting without saving (the latest "
+              "checkpoint is intact)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+      received.append(signum)
+      print(f"{signal.Signals(signum).name}: finishing the step in flight, then saving "
+            "(again to exit at once)", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      yield received
+    finally:
+      for s, handler in old.items():
+        signal.signal(s, handler)
+
+  def _loop(self, state, received: list[int]):
     cfg, clock = self.cfg, self.clock
     bar = tqdm(range(self.start, cfg.train.steps), initial=self.start, total=cfg.train.steps,
                desc="GRPO", unit="step", disable=jax.process_index() != 0)
     step, saved = self.start, self.start
     for step in bar:
-      if agreed(clock.stop_before_next_step(eval_after=True)):
+      if agreed(bool(received) or clock.stop_before_next_step(eval_after=True)):
         break
       with clock.timed("step"):
         state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state,
@@ -145,7 +194,7 @@ class Run:
     else:
       step = cfg.train.steps
     bar.close()
-    if step != saved:  # stopped for the deadline after unsaved steps
+    if step != saved:  # stopped for the deadline or a signal after unsaved steps
       self._save(step, state)
     return step, state
 
