@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from reasoner.config import Config, ConfigError
-from reasoner.models import kaggle
+from reasoner.models import gemma, kaggle
 
 
 class ExportError(ConfigError):
@@ -104,12 +104,8 @@ def upstream_tree(family: str, params: dict[tuple, jax.Array]) -> dict[str, dict
 
 
 def _gating(gate: jax.Array, up: jax.Array, transposed: bool) -> jax.Array:
-  spec = tuple(gate.sharding.spec) + (None, None)
-  d_ax, f_ax = spec[:2]
-  out = NamedSharding(gate.sharding.mesh, P(None, f_ax, d_ax) if transposed else
-                      P(None, d_ax, f_ax))
   stack = jax.jit(lambda g, u: jnp.stack([g.T, u.T] if transposed else [g, u]),
-                  out_shardings=out)
+                  out_shardings=kaggle.gating_sharding(gate.sharding, transposed))
   return stack(gate, up)
 
 
@@ -205,7 +201,7 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
   setup = setup or build(cfg)
   lora, got = run_lib.restore_lora(setup, step)
   params = merged(setup.graphdef, lora, setup.base, cfg.lora.alpha / cfg.lora.rank)
-  family = "gemma2" if cfg.model.name.startswith("gemma2") else "gemma3"
+  family = gemma.model_spec(cfg.model).family
   variant = variant_name(cfg)
   tmp = out.with_name(f".{out.name}.partial")
   if jax.process_index() == 0:

@@ -45,9 +45,8 @@ def write_checkpoint(preset: str, out: pathlib.Path) -> None:
   spec = gemma.model_spec(cfg.model)
   model = gemma.init_random(spec, mesh, 0)
   params = {p: v.value for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  family = "gemma2" if cfg.model.name.startswith("gemma2") else "gemma3"
   with ocp.PyTreeCheckpointer() as c:
-    c.save(out / export.variant_name(cfg), export.upstream_tree(family, params))
+    c.save(out / export.variant_name(cfg), export.upstream_tree(spec.family, params))
   tok = gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()
   (out / "tokenizer.model").write_bytes(tok.model_proto)
   del model, params

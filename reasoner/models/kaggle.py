@@ -370,10 +370,14 @@ def _stored(meta: Meta, key: str, leaf: str, where: pathlib.Path,
 
 def _read_sharding(s: Source, target: NamedSharding) -> NamedSharding:
   """The target's sharding carried onto the stored array (gating: [2, F, D] or [2, D, F])."""
-  if len(s.targets) == 1:
-    return target
-  d_ax, f_ax = (tuple(target.spec) + (None, None))[:2]
-  return NamedSharding(target.mesh, P(None, f_ax, d_ax) if s.transposed else P(None, d_ax, f_ax))
+  return target if len(s.targets) == 1 else gating_sharding(target, s.transposed)
+
+
+def gating_sharding(kernel: NamedSharding, transposed: bool) -> NamedSharding:
+  """A [D, F] gate / up kernel's sharding carried onto the stacked gating einsum: [2, F, D]
+  (`transposed`, Gemma 3) or [2, D, F] (Gemma 2 2B)."""
+  d_ax, f_ax = (tuple(kernel.spec) + (None, None))[:2]
+  return NamedSharding(kernel.mesh, P(None, f_ax, d_ax) if transposed else P(None, d_ax, f_ax))
 
 
 @functools.lru_cache(maxsize=None)
