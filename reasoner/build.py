@@ -11,7 +11,7 @@ from flax import nnx
 from reasoner import lora as lora_lib
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, check_mesh
-from reasoner.data import sources
+from reasoner.data import prompts, sources
 from reasoner.models import gemma
 from reasoner.models.tokenizer import ByteTokenizer
 from reasoner.rewards import Rewards
@@ -67,6 +67,10 @@ def build(cfg: Config) -> Setup:
     spec = gemma.model_spec(m, None if m.name != "tiny" else max(m.tiny_vocab,
                                                                   tokenizer.vocab_size))
     model = gemma.init_random(spec, mesh, cfg.train.seed)
+  d = cfg.data
+  train, held_out = (prompts.within_limit(recs, split, d.template, tokenizer, d.max_prompt_tokens,
+                                          d.overlong, log.warning)
+                     for recs, split in ((train, "training"), (held_out, "held-out")))
   model = lora_lib.apply_lora(model, cfg.lora, mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
   return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out)

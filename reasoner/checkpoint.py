@@ -11,34 +11,53 @@ iterator's JSON, which is the same on every process since all draw the same glob
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import pathlib
+import shutil
+import sys
+import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from reasoner.config import ConfigError
+from reasoner.mesh import agreed
 
 
 class CheckpointError(ConfigError):
   """A checkpoint cannot be found or does not fit this run (one line)."""
 
 
+class CheckpointDamaged(CheckpointError):
+  """A checkpoint's files cannot be read (a partial copy, a disk that failed while flushing)."""
+
+
+def _quiet_closed_loop(hook=sys.unraisablehook):
+  """A failed orbax restore ends its asyncio loop while tensorstore reads are still in flight;
+  each read's callback then raises "Event loop is closed" from a tensorstore thread, one
+  traceback per array, after the error itself was reported. Those (and only those) are dropped."""
+  def quiet(u):
+    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+      hook(u)
+  return quiet
+
+
+sys.unraisablehook = _quiet_closed_loop()
+
+
 class Checkpointer:
   def __init__(self, directory: pathlib.Path, keep: int, read_only: bool = False):
     self.directory = pathlib.Path(directory).absolute()
+    self.read_only = read_only
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False,
                                                          save_interval_steps=0) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                             enable_async_checkpointing=False))
-    quiet = logging.getLogger("absl")  # read-only: orbax warns "Given directory is read only"
-    level = quiet.level
-    quiet.setLevel(logging.ERROR if read_only else level)
-    try:
+    with _absl_errors_only() if read_only else contextlib.nullcontext():  # "... is read only"
       self._mngr = ocp.CheckpointManager(self.directory, options=options)
-    finally:
-      quiet.setLevel(level)
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -47,27 +66,158 @@ class Checkpointer:
     return list(self._mngr.all_steps())
 
   def save(self, step: int, state: Any, data_state: dict) -> None:
-    self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                  data=ocp.args.JsonSave(data_state)))
-    self._mngr.wait_until_finished()
+    """Saves whole or not at all; a failed save (a full disk, a folder gone read-only) removes
+    its partial folder and raises one line naming the space left and the last whole one."""
+    try:
+      with _held_back():
+        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      data=ocp.args.JsonSave(data_state)))
+        self._mngr.wait_until_finished()
+    except Exception as e:
+      if jax.process_index() == 0:
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+          shutil.rmtree(partial, ignore_errors=True)
+      self._mngr.reload()
+      last = max((s for s in self.all_steps() if s != step), default=None)
+      raise CheckpointError(f"cannot save checkpoint {step} in {self.directory}: "
+                            f"{write_error(e, self.directory)}; the last whole checkpoint is "
+                            f"{last if last is not None else 'none'} (re-running resumes from "
+                            f"it)") from e
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-    """Restores into the shardings of `target` (arrays or ShapeDtypeStructs with .sharding)."""
+    """Restores into the shardings of `target` (arrays or ShapeDtypeStructs with .sharding).
+    Raises CheckpointError when the stored arrays differ from the target's, before reading any,
+    and CheckpointDamaged when the files cannot be read."""
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    self._check_fits(step, abstract)
     try:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises ValueError, OSError, XlaRuntimeError, ...
-      raise CheckpointError(f"{self.directory / str(step)} does not fit this run (other model "
-                            f"or LoRA settings?): {_first_line(e)}") from e
+      raise CheckpointDamaged(f"{self.directory / str(step)} cannot be read: "
+                              f"{_first_line(e)}") from e
     return out["state"], out["data"]
+
+  def restore_latest(self, target: Any, log=print) -> tuple[int, Any, dict] | None:
+    """(step, state, data) of the newest checkpoint that reads, or None when there is none.
+    Each damaged one on the way is named in one line and, unless read-only, moved aside to
+    `corrupt-<step>` (never deleted: its files may still matter to someone)."""
+    for step in sorted(self.all_steps(), reverse=True):
+      step = agreed(step)  # restoring is collective: every process tries the same step
+      try:
+        return (step, *self.restore(step, target))
+      except CheckpointDamaged as e:
+        aside = "" if self.read_only else f"; moved to {self._set_aside(step)}"
+        log(f"checkpoint {e}{aside}")
+    return None
+
+  def _check_fits(self, step: int, abstract: Any) -> None:
+    path = self.directory / str(step)
+    try:
+      with _absl_errors_only():  # orbax warns when a step has no _CHECKPOINT_METADATA
+        stored = ocp.StandardCheckpointer().metadata(path / "state").item_metadata
+    except Exception as e:
+      raise CheckpointDamaged(f"{path} cannot be read: {_first_line(e)}") from e
+    if getattr(stored, "tree", None) is None:  # orbax logs why and returns nothing
+      raise CheckpointDamaged(f"{path} cannot be read: its array metadata is unreadable")
+    stored = stored.tree
+    have, want = _shapes(stored), _shapes(abstract)
+    for key in sorted(set(have) | set(want)):
+      if have.get(key) != want.get(key):
+        there, here = (f"({', '.join(map(str, d[0]))}) {d[1]}" if d else "absent"
+                       for d in (have.get(key), want.get(key)))
+        raise CheckpointError(f"{path} does not fit this run: {'/'.join(key)} is {there} there "
+                              f"and {here} here (other model or LoRA settings?)")
+
+  def _set_aside(self, step: int) -> pathlib.Path:
+    aside = self.directory / f"corrupt-{step}"
+    n = 1
+    while aside.exists():
+      n += 1
+      aside = self.directory / f"corrupt-{step}-{n}"
+    if jax.process_index() == 0:
+      (self.directory / str(step)).rename(aside)
+    agreed(step)  # a barrier: the others list the folder after process 0 renamed it
+    self._mngr.reload()
+    return aside
 
   def close(self) -> None:
     self._mngr.close()
 
 
-def _first_line(e: Exception) -> str:
+def _shapes(tree) -> dict[tuple[str, ...], tuple]:
+  """{path: (shape, dtype)} with paths as names, alike for a target tree and orbax's metadata."""
+  name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
+  return {tuple(map(name, path)): (tuple(x.shape), str(x.dtype))
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@contextlib.contextmanager
+def _held_back():
+  """Holds what orbax's writer threads print about an error (a traceback per thread, logged or
+  raised) while the block runs: dropped when the block raises (the caller reports it in one
+  line), shown when it does not."""
+  records, threads, hook = [], [], threading.excepthook
+  absl = logging.getLogger("absl")
+  hold = logging.Filter()
+  hold.filter = lambda r: records.append(r) if r.levelno >= logging.ERROR else True
+  absl.addFilter(hold)
+  threading.excepthook = threads.append
+  try:
+    yield
+  finally:
+    absl.removeFilter(hold)
+    threading.excepthook = hook
+  for r in records:
+    absl.handle(r)
+  for args in threads:
+    hook(args)
+
+
+@contextlib.contextmanager
+def _absl_errors_only():
+  log = logging.getLogger("absl")
+  level = log.level
+  log.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    log.setLevel(level)
+
+
+def write_error(e: BaseException, directory: pathlib.Path) -> str:
+  """What stopped a write, in words: the disk's space left, or the first line of the cause."""
+  free = shutil.disk_usage(_existing(directory)).free
+  text = _first_line(e)
+  if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or (
+      "RESOURCE_EXHAUSTED" in text):
+    return f"no space left on its disk ({_size(free)} free)"
+  if getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM):
+    return f"not writable ({e.strerror})"
+  if isinstance(e, OSError) and e.strerror:
+    return e.strerror
+  return f"{text} ({_size(free)} free there)"
+
+
+def _existing(path: pathlib.Path) -> pathlib.Path:
+  while not path.exists() and path != path.parent:
+    path = path.parent
+  return path
+
+
+def _size(n: int) -> str:
+  for unit in ("bytes", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+    n /= 1024
+
+
+def _first_line(e: BaseException) -> str:
+  """The first line of the innermost cause (orbax wraps tensorstore's error, which names the
+  file and what is wrong with it, in one that names only the array)."""
+  while e.__cause__ is not None or e.__context__ is not None:
+    e = e.__cause__ or e.__context__
   lines = [l.strip() for l in str(e).splitlines() if l.strip()]
   text = (lines[0] if lines else "").split(". Truncating/padding")[0]  # orbax's advice: not ours
   return f"{type(e).__name__}: {text[:300]}"

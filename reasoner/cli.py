@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import shlex
 import sys
 
@@ -16,6 +17,8 @@ DEFAULT_CONFIG = "configs/embedded.yaml"
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="reasoner", description=__doc__)
+  p.add_argument("--debug", action="store_true",
+                 help="show tracebacks (also REASONER_DEBUG=1); may stand anywhere")
   sub = p.add_subparsers(dest="command", required=True)
   for name, text in (("train", "run GRPO (resumes from the run's latest checkpoint)"),
                      ("eval", "greedy accuracy and format rate on the held-out split"),
@@ -50,8 +53,17 @@ def loop_interrupted():
   return loop.Interrupted if loop else type("NeverRaised", (Exception,), {})
 
 
+def _say(text: str) -> None:
+  """One write: a background thread printing meanwhile cannot split the line."""
+  sys.stderr.write(text)
+  sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  debug = "--debug" in argv or os.environ.get("REASONER_DEBUG", "") not in ("", "0")
+  argv = [a for a in argv if a != "--debug"]
   args, extra = parser.parse_known_args(argv)  # overrides may follow flags: a=1 --flag b=2
   unknown = [x for x in extra if "=" not in x or x.startswith("-")]
   if unknown:
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
 
     if args.command == "train":
-      again = shlex.join(["python", "-m", "reasoner", *(sys.argv[1:] if argv is None else argv)])
+      again = shlex.join(["python", "-m", "reasoner", *argv])
       from reasoner import loop
 
       loop.train(cfg, command=again)
@@ -87,10 +99,19 @@ def main(argv: list[str] | None = None) -> int:
       for i, text in enumerate(run.sample(cfg, args.question, args.n)):
         print(f"[{i}] {text}")
   except (ConfigError, DataError, RewardError, FileNotFoundError, FloatingPointError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    if debug:
+      raise
+    _say("".join(f"error: {line}\n" for line in str(e).splitlines()))
+    return 2
+  except OSError as e:  # a full disk, a read-only folder: where, and the space left
+    if debug or not e.filename:
+      raise
+    from reasoner.checkpoint import write_error
+
+    _say(f"error: cannot use {e.filename}: {write_error(e, pathlib.Path(e.filename).parent)}\n")
     return 2
   except loop_interrupted() as e:
-    print(e, file=sys.stderr)
+    _say(f"{e}\n")
     return e.code
   except KeyboardInterrupt:
     print("interrupted; the latest checkpoint is intact, re-run the same command to resume",

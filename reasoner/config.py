@@ -153,6 +153,7 @@ class DataConfig:
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
   template: Literal["fewshot", "chat"] = "fewshot"  # fewshot for base models, chat for -it models
   max_prompt_tokens: int = 256
+  overlong: Literal["drop", "error"] = "drop"  # prompts over max_prompt_tokens, found at load
 
   def __post_init__(self):
     if self.source in ("jsonl", "parquet") and not self.path:

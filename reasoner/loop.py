@@ -22,13 +22,14 @@ import threading
 import jax
 from tqdm import tqdm
 
-from reasoner import session
+from reasoner import manifest, session
 from reasoner.build import build
-from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints
+from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints, write_error
 from reasoner.config import Config, ConfigError
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
-from reasoner.run import agreed, checkpoint_tree, eval_logged, grpo_step, make_sampler
+from reasoner.mesh import agreed
+from reasoner.run import checkpoint_tree, eval_logged, grpo_step, make_sampler
 from reasoner.trainer import Trainer
 
 
@@ -67,9 +68,13 @@ class Run:
     if self.clock.left() <= 0:
       raise ConfigError(f"config key 'train.deadline' = {cfg.train.deadline!r}: already past "
                         f"({session.duration(-self.clock.left())} ago)")
+    self.path = cfg.run_path
+    _check_writable(self.path)
+    manifest.check(cfg, self.path)  # before anything loads: a refused start costs nothing
+    if cfg.train.resume_from and not _has_checkpoints(self.path):
+      manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, resumed_from=True)
     with self.clock.timed("load"):
       self.setup = build(cfg)
-    self.path = cfg.run_path
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
     self.trainer = Trainer(self.setup.graphdef, self.setup.base, cfg)
@@ -83,6 +88,8 @@ class Run:
     self.state, self.start, origin = self._resume(state)
     self.step = self.start
     self.writer.start(self.start, carry_over=origin)
+    if jax.process_index() == 0:
+      manifest.record(cfg, self.path, self.start, self.setup.train_records, origin, tqdm.write)
     self.results = read_eval(self.path) if jax.process_index() == 0 else {}
     if "seconds" in self.results.get("before", {}):  # timed in an earlier session
       self.clock.measured("eval", self.results["before"]["seconds"])
@@ -213,18 +220,23 @@ class Run:
     """(state, step, origin): from this run's latest checkpoint, else from train.resume_from's
     (origin: that run's directory, whose logs this run carries on), else step 0."""
     cfg = self.cfg
-    src, origin = self.ckpt, None
-    if not agreed(self.ckpt.latest_step() or 0) and cfg.train.resume_from:
+    say = tqdm.write if jax.process_index() == 0 else (lambda _: None)
+    target = checkpoint_tree(state)
+    found, origin, folder = self.ckpt.restore_latest(target, say), None, self.ckpt.directory
+    if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
-      check_compatible(cfg, folder.parent)
-      src, origin = Checkpointer(folder, 1, read_only=True), folder.parent
-    start = agreed(src.latest_step() or 0)
-    if not start:
+      manifest.check(cfg, folder.parent, resumed_from=True)
+      found = Checkpointer(folder, 1, read_only=True).restore_latest(target, say)
+      if found is None:
+        raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': no "
+                              f"checkpoint in {folder} can be read")
+      origin = folder.parent
+    if found is None:
       return state, 0, None
-    tree, data_state = src.restore(start, checkpoint_tree(state))
+    start, tree, data_state = found
     self.data.set_state(data_state)
-    if jax.process_index() == 0:
-      tqdm.write(f"resumed from {src.directory}/{start} (step {start} of {cfg.train.steps})")
+    say(f"resumed from {folder / str(start)} "
+        f"(step {start} of {cfg.train.steps})")
     return state.replace(**tree), start, origin
 
 
@@ -235,20 +247,21 @@ def _eval_share(cfg: Config) -> float:
       cfg.train.batch_size * cfg.rollout.num_generations * cfg.rollout.max_new_tokens)
 
 
-# What a checkpoint holds depends on these; a run of other values cannot continue from it.
-_SHAPE_KEYS = (("model", "name"), ("lora", "rank"), ("lora", "alpha"), ("lora", "module_path"))
+def _check_writable(run: pathlib.Path) -> None:
+  """A run directory that cannot be written fails here, in one line, before anything loads."""
+  if jax.process_index() == 0:
+    try:
+      run.mkdir(parents=True, exist_ok=True)
+      probe = run / f".probe-{os.getpid()}"
+      probe.write_bytes(b"")
+      probe.unlink()
+    except OSError as e:
+      raise ConfigError(f"the run directory {run} cannot be written: {write_error(e, run)}") from e
 
 
-def check_compatible(cfg: Config, other_run: pathlib.Path) -> None:
-  p = other_run / "config.json"
-  if not p.is_file():
-    return  # a bare checkpoints folder: the restore checks the shapes
-  old, new = json.loads(p.read_text()), cfg.to_dict()
-  diff = [f"{a}.{b}: {old.get(a, {}).get(b)!r} -> {new[a][b]!r}" for a, b in _SHAPE_KEYS
-          if old.get(a, {}).get(b) != new[a][b]]
-  if diff:
-    raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': that run "
-                          f"differs in {'; '.join(diff)}; set them as it had them")
+def _has_checkpoints(run: pathlib.Path) -> bool:
+  folder = run / "checkpoints"
+  return folder.is_dir() and any(c.name.isdigit() for c in folder.iterdir())
 
 
 def read_eval(run: pathlib.Path) -> dict:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from reasoner.config import ConfigError, MeshConfig
@@ -123,3 +124,11 @@ def shard_fraction(arr: jax.Array) -> float:
   """Fraction of the array's elements held by one addressable shard (1/N when fully split)."""
   shard = arr.addressable_shards[0].data
   return math.prod(shard.shape) / max(1, math.prod(arr.shape))
+
+
+def agreed(value: int) -> int:
+  """Process 0's value on every process: decisions that start collective work (resume step,
+  whether to evaluate) must not depend on when each process looked at the run directory."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))

@@ -9,11 +9,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib
 from reasoner.build import Setup, build
+from reasoner.mesh import agreed
 from reasoner.checkpoint import CheckpointError, Checkpointer
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
@@ -32,14 +32,6 @@ def make_sampler(setup: Setup) -> Sampler:
     graphdef = gemma.without_remat(graphdef, setup.lora, setup.base)
   return Sampler(graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens,
                  setup.cfg.rollout.prompt_buckets)
-
-
-def agreed(value: int) -> int:
-  """Process 0's value on every process: decisions that start collective work (resume step,
-  whether to evaluate) must not depend on when each process looked at the run directory."""
-  if jax.process_count() == 1:
-    return value
-  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def sampling_config(cfg: Config, tokenizer, greedy: bool) -> SamplingConfig:

@@ -1,8 +1,10 @@
 """Faults a user meets, driven through the CLI: each gets one clear line, a defined exit code,
 and loses no saved work."""
 
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,3 +83,148 @@ def test_ctrl_c_saves_and_a_second_signal_exits_at_once(tmp_path):
   code, err = _signalled(tmp_path, "twice", signal.SIGTERM, times=2)
   assert code == 143 and err.strip().splitlines()[-1] == (
       "second SIGTERM: exiting without saving (the latest checkpoint is intact)"), err[-3000:]
+
+
+def _run(run_dir, name, *extra, steps=None):
+  cmd = _cmd(run_dir, name, *extra)
+  if steps is not None:
+    cmd = [c for c in cmd if not c.startswith("train.steps=")] + [f"train.steps={steps}"]
+  return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+
+
+def _errors(p):
+  assert "Traceback" not in p.stderr, p.stderr[-3000:]
+  return [l for l in p.stderr.splitlines() if l.startswith("error: ")]
+
+
+def _tree_digest(folder):
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+          if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(tmp_path):
+  every = ["train.checkpoint_every=1", "train.keep_checkpoints=3",
+           "optim.min_lr_ratio=1"]  # a constant learning rate: 3 steps, then 5, equal 5 at once
+  assert _run(tmp_path, "hit", *every, steps=3).returncode == 0
+  state = tmp_path / "hit" / "checkpoints" / "3" / "state"
+  data = sorted(state.glob("**/d/*"))
+  for f in data:  # its data files emptied: a partial copy, a disk that failed mid-flush
+    f.write_bytes(b"")
+  p = _run(tmp_path, "hit", *every, steps=5)
+  assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+  said = [l for l in p.stdout.splitlines() if "checkpoint" in l]
+  assert said[0].startswith(f"checkpoint {tmp_path / 'hit' / 'checkpoints' / '3'} cannot be "
+                            "read: "), said
+  assert said[0].endswith(f"; moved to {tmp_path / 'hit' / 'checkpoints' / 'corrupt-3'}")
+  assert said[1].startswith(f"resumed from {tmp_path / 'hit' / 'checkpoints' / '2'} (step 2")
+  aside = tmp_path / "hit" / "checkpoints" / "corrupt-3"
+  assert all((aside / "state" / f.relative_to(state)).is_file() for f in data)  # not deleted
+  assert _run(tmp_path, "whole", *every, steps=5).returncode == 0
+  for x, y in zip(jax.tree.leaves(_state(tmp_path / "whole", 5)),
+                  jax.tree.leaves(_state(tmp_path / "hit", 5)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert [r["step"] for r in _rows(tmp_path / "hit") if "reward/mean" in r] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_a_resume_names_each_changed_setting_and_records_the_safe_ones(tmp_path):
+  assert _run(tmp_path, "r", steps=2).returncode == 0
+  run = tmp_path / "r"
+  before = _tree_digest(run)
+  p = _run(tmp_path, "r", "lora.rank=8", "lora.alpha=4", "rollout.num_generations=2", steps=3)
+  assert p.returncode == 2
+  assert _errors(p) == [
+      f"error: config key '{k}' = {new}: run {run} was trained with {old}; set it back to "
+      f"continue it (or to branch off its weights: train.run_name=<new> "
+      f"train.resume_from={run}), or start afresh under a new train.run_name"
+      for k, old, new in (("lora.rank", 4, 8), ("lora.alpha", 8.0, 4.0))], p.stderr[-2000:]
+  assert _tree_digest(run) == before  # refused before anything was written
+
+  p = _run(tmp_path, "r", "rollout.num_generations=2", steps=3)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert (f"settings changed at step 2 (recorded in {run / 'run.json'}): "
+          "rollout.num_generations: 4 -> 2; train.steps: 2 -> 3") in p.stdout
+  m = json.loads((run / "run.json").read_text())
+  assert m["history"] == [{"step": 2, "changes": {"rollout.num_generations": [4, 2],
+                                                  "train.steps": [2, 3]}}]
+  assert m["lora"]["rank"] == 4 and m["data"]["records"] > 0 and m["versions"]["jax"]
+  assert (run / "config.json").read_bytes() == before["config.json"]  # the first start's
+  p = _run(tmp_path, "r", "rollout.num_generations=2", steps=3)  # nothing new: nothing said
+  assert "settings changed" not in p.stdout
+  assert len(json.loads((run / "run.json").read_text())["history"]) == 1
+
+
+def _mount_small_disk(path, size):
+  path.mkdir()
+  try:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True, capture_output=True)
+  except (OSError, subprocess.CalledProcessError):
+    return False
+  return True
+
+
+def _full_disk_line(step, folder, last):
+  return re.compile(
+      rf"error: cannot save checkpoint {step} in {re.escape(str(folder))}: no space left on its "
+      rf"disk \(\d+(\.\d)? (bytes|KiB|MiB|GiB) free\); the last whole checkpoint is {last} "
+      rf"\(re-running resumes from it\)")
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, monkeypatch,
+                                                                     capsys):
+  disk = tmp_path / "disk"
+  if _mount_small_disk(disk, "1200k"):  # a real full disk, where the platform allows it
+    try:
+      p = _run(disk, "f", "train.checkpoint_every=1", "train.keep_checkpoints=9", steps=9)
+      folder = disk / "f" / "checkpoints"
+      last = max(int(c.name) for c in folder.iterdir() if c.name.isdigit())
+      assert p.returncode == 2 and last < 9, p.stderr[-3000:]
+      assert _full_disk_line(last + 1, folder, last).fullmatch(_errors(p)[0]), p.stderr[-3000:]
+      assert not list(folder.glob("*tmp*"))  # the partial save removed, the whole ones kept
+    finally:
+      subprocess.run(["umount", str(disk)], check=False)
+  # Everywhere: a write error injected at the checkpoint writer, in this process.
+  from reasoner import cli
+
+  real = ocp.CheckpointManager.save
+
+  def failing(self, step, *a, **k):
+    if step == 2:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, step, *a, **k)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+  capsys.readouterr()
+  assert cli.main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
+                   f"train.run_dir={tmp_path}", "train.run_name=inj", "train.steps=3",
+                   "train.checkpoint_every=1"]) == 2
+  folder = tmp_path / "inj" / "checkpoints"
+  err = capsys.readouterr().err
+  assert _full_disk_line(2, folder, 1).fullmatch(err.strip().splitlines()[-1]), err[-3000:]
+  assert sorted(c.name for c in folder.iterdir()) == ["1"]
+
+
+def test_an_unwritable_run_directory_is_one_line_before_anything_loads(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  p = subprocess.run([sys.executable, "-m", "reasoner", "train", "--config",
+                      str(ROOT / "configs/tiny.yaml"), f"train.run_dir={blocker}"],
+                     env=_env(), cwd=ROOT, capture_output=True, text=True)
+  assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+      f"error: the run directory {blocker / 'tiny'} cannot be written: Not a directory"]
+
+
+def test_debug_shows_the_traceback_that_is_otherwise_one_line(tmp_path):
+  bad = [sys.executable, "-m", "reasoner", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+         f"train.run_dir={tmp_path}", "train.deadline=2020-01-01T00:00"]
+  quiet = subprocess.run(bad, env=_env(), cwd=ROOT, capture_output=True, text=True)
+  assert quiet.returncode == 2 and len(quiet.stderr.strip().splitlines()) == 1
+  for how in (["--debug"], []):
+    env = _env() if how else dict(_env(), REASONER_DEBUG="1")
+    p = subprocess.run(bad[:3] + how + bad[3:], env=env, cwd=ROOT, capture_output=True,
+                       text=True)
+    assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
+    assert "ConfigError: config key 'train.deadline'" in p.stderr.strip().splitlines()[-1]

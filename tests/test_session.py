@@ -153,14 +153,15 @@ def test_bad_session_input_is_one_line_and_damages_nothing(tmp_path):
   before = _digest(tmp_path / "old" / "checkpoints")
   one_line(cli(f"train.run_dir={tmp_path}", "train.run_name=new", "lora.rank=8",
                f"train.resume_from={tmp_path / 'old'}"), 2,
-           r"^error: config key 'train.resume_from' = '.*old': that run differs in lora.rank: "
-           r"4 -> 8; set them as it had them$")
-  (tmp_path / "old" / "config.json").unlink()  # a bare copy: orbax's shape check, one line
+           r"^error: config key 'lora.rank' = 8: the run in train.resume_from \(.*old\) was "
+           r"trained with 4; set it back to continue from its weights$")
+  for f in ("config.json", "run.json"):  # a bare copy: the stored shapes are checked, one line
+    (tmp_path / "old" / f).unlink()
   p = cli(f"train.run_dir={tmp_path}", "train.run_name=new2", "lora.rank=8",
           f"train.resume_from={tmp_path / 'old'}")
-  one_line(p, 2, r"^error: .*checkpoints/2 does not fit this run \(other model or LoRA "
-           r"settings\?\): ValueError: Requested shape: \(2, 32, 8\) is not compatible with the "
-           r"stored shape: \(2, 32, 4\)$")
+  one_line(p, 2, r"^error: .*old/checkpoints/2 does not fit this run: lora/layers/0/attn/"
+           r"attn_vec_einsum/w_lora_a/value is \(2, 32, 4\) float32 there and \(2, 32, 8\) "
+           r"float32 here \(other model or LoRA settings\?\)$")
   assert _digest(tmp_path / "old" / "checkpoints") == before
   for new in ("new", "new2"):  # ... and neither refused run wrote a checkpoint
     assert not any((tmp_path / new / "checkpoints").glob("[0-9]*"))

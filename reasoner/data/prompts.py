@@ -7,6 +7,8 @@ pattern, so that is the honest way to show it the format GRPO then reinforces.
 
 from __future__ import annotations
 
+from reasoner.data.sources import DataError
+
 INSTRUCTION = ("Solve the problem. Write your reasoning inside <reasoning></reasoning> and the "
                "final number inside <answer></answer>.")
 
@@ -34,3 +36,26 @@ TEMPLATES = {"fewshot": fewshot, "chat": chat}
 
 def render(template: str, question: str) -> str:
   return TEMPLATES[template](question)
+
+
+def within_limit(records: list[dict], split: str, template: str, tokenizer, limit: int,
+                 overlong: str, log=print) -> list[dict]:
+  """The records whose rendered prompt fits in `limit` tokens (BOS included), checked when the
+  data is loaded rather than when a batch reaches the sampler hours in. overlong='drop' drops
+  the others with one line of counts; 'error' names the first."""
+  keep = []
+  for i, r in enumerate(records):
+    n = len(tokenizer.encode(render(template, r["question"]), add_bos=True))
+    if n <= limit:
+      keep.append(r)
+    elif overlong == "error":
+      raise DataError(f"record {i} of the {split} split: its prompt has {n} tokens, more than "
+                      f"data.max_prompt_tokens = {limit} (data.overlong: error; 'drop' skips "
+                      f"such records): {r['question'][:60]!r}")
+  if records and not keep:
+    raise DataError(f"every {split} prompt is longer than data.max_prompt_tokens = {limit} "
+                    f"tokens; raise it")
+  if len(keep) < len(records):
+    log(f"data: dropped {len(records) - len(keep)} of {len(records)} {split} records whose "
+        f"prompt is longer than data.max_prompt_tokens = {limit} tokens (data.overlong: drop)")
+  return keep
