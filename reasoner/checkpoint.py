@@ -4,6 +4,11 @@ run killed mid-save leaves the previous checkpoints whole; re-running the same c
 from the latest finished one. A read-only `Checkpointer` (another session's output, e.g. under
 /kaggle/input) never writes, deletes or creates anything in its directory.
 
+Faults end in one line each: a checkpoint whose arrays differ from the run's is refused before
+any read (naming the first that differs); one whose files cannot be read is set aside as
+`corrupt-<step>` (never deleted) and the one before it restored; a save that fails (a full
+disk) removes its partial folder and names the space left and the last whole checkpoint.
+
 With several processes every process calls `save` and `restore` (orbax's multi-host path: each
 process writes and reads the shards of its own devices, process 0 the metadata and the data
 iterator's JSON, which is the same on every process since all draw the same global batch).
@@ -13,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import pathlib
+import re
 import shutil
 import sys
 import threading
@@ -53,7 +60,7 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self.read_only = read_only
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                                         save_interval_steps=0) if read_only else
+                                            save_interval_steps=0) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                             enable_async_checkpointing=False))
     with _absl_errors_only() if read_only else contextlib.nullcontext():  # "... is read only"
@@ -95,8 +102,9 @@ class Checkpointer:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises ValueError, OSError, XlaRuntimeError, ...
-      raise CheckpointDamaged(f"{self.directory / str(step)} cannot be read: "
-                              f"{_first_line(e)}") from e
+      # Only what the files did is damage; anything else (device memory, say) leaves it be.
+      kind = CheckpointDamaged if _is_damage(e) else CheckpointError
+      raise kind(f"{self.directory / str(step)} cannot be read: {_first_line(e)}") from e
     return out["state"], out["data"]
 
   def restore_latest(self, target: Any, log=print) -> tuple[int, Any, dict] | None:
@@ -213,11 +221,30 @@ def _size(n: int) -> str:
     n /= 1024
 
 
+# tensorstore's status codes for a file that is short, missing or garbled; JSON that is not.
+_DAMAGE = re.compile(r"OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|Error opening|corrupt|"
+                     r"checksum|Expecting value|Unterminated string|Extra data")
+
+
+def _root(e: BaseException) -> BaseException:
+  """The innermost cause (orbax wraps tensorstore's error, which names the file and what is
+  wrong with it, in one that names only the array)."""
+  while True:
+    inner = e.__cause__ if e.__cause__ is not None else (
+        None if e.__suppress_context__ else e.__context__)
+    if inner is None:
+      return e
+    e = inner
+
+
+def _is_damage(e: BaseException) -> bool:
+  root = _root(e)
+  return isinstance(root, (FileNotFoundError, json.JSONDecodeError)) or bool(
+      _DAMAGE.search(str(root)))
+
+
 def _first_line(e: BaseException) -> str:
-  """The first line of the innermost cause (orbax wraps tensorstore's error, which names the
-  file and what is wrong with it, in one that names only the array)."""
-  while e.__cause__ is not None or e.__context__ is not None:
-    e = e.__cause__ or e.__context__
+  e = _root(e)
   lines = [l.strip() for l in str(e).splitlines() if l.strip()]
   text = (lines[0] if lines else "").split(". Truncating/padding")[0]  # orbax's advice: not ours
   return f"{type(e).__name__}: {text[:300]}"

@@ -28,7 +28,7 @@ from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints,
 from reasoner.config import Config, ConfigError
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
-from reasoner.mesh import agreed
+from reasoner.mesh import agreed, largest
 from reasoner.run import checkpoint_tree, eval_logged, grpo_step, make_sampler
 from reasoner.trainer import Trainer
 
@@ -181,7 +181,10 @@ class Run:
                desc="GRPO", unit="step", disable=jax.process_index() != 0)
     step, saved = self.start, self.start
     for step in bar:
-      if agreed(bool(received) or clock.stop_before_next_step(eval_after=True)):
+      sig = largest(received[0] if received else 0)  # every process stops at the same step
+      if sig and not received:
+        received.append(sig)
+      if sig or agreed(clock.stop_before_next_step(eval_after=True)):
         break
       with clock.timed("step"):
         state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state,

@@ -132,3 +132,11 @@ def agreed(value: int) -> int:
   if jax.process_count() == 1:
     return value
   return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def largest(value: int) -> int:
+  """The largest of the processes' values, on every process: a signal that reached one host
+  stops all of them at the same step (a TPU VM's hosts are not signalled at the same instant)."""
+  if jax.process_count() == 1:
+    return value
+  return int(np.max(multihost_utils.process_allgather(np.int32(value))))

@@ -5,6 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import ROOT
 from reasoner.config import DataConfig
 from reasoner.data import arithmetic, prompts, sources
 
@@ -65,3 +66,31 @@ def test_templates_ask_for_the_format():
     p = prompts.render(name, "What is 2 + 2?")
     assert "<reasoning>" in p and "<answer>" in p and p.rstrip().endswith(
         ("What is 2 + 2?", "model"))
+
+
+def test_overlong_prompts_are_found_at_load_dropped_or_named():
+  from reasoner.models.tokenizer import ByteTokenizer
+
+  tok = ByteTokenizer()
+  records = [{"question": "x" * n, "answer": "1"} for n in (5, 400, 10, 300)]
+  lengths = [len(tok.encode(prompts.render("chat", r["question"]), add_bos=True))
+             for r in records]  # the reference: each rendered prompt encoded whole
+  limit = sorted(lengths)[1]  # the two short ones fit, exactly at the limit for one of them
+  said = []
+  kept = prompts.within_limit(records, "training", "chat", tok, limit, "drop", said.append)
+  assert kept == [r for r, n in zip(records, lengths) if n <= limit] == [records[0], records[2]]
+  assert said == [f"data: dropped 2 of 4 training records whose prompt is longer than "
+                  f"data.max_prompt_tokens = {limit} tokens (data.overlong: drop)"]
+  assert prompts.within_limit(records[:1], "held-out", "chat", tok, limit, "drop",
+                              said.append) == records[:1] and len(said) == 1  # nothing to say
+  with pytest.raises(sources.DataError, match=rf"^record 1 of the training split: its prompt "
+                     rf"has {lengths[1]} tokens, more than data.max_prompt_tokens = {limit} "
+                     rf"\(data.overlong: error; 'drop' skips such records\): 'xxx"):
+    prompts.within_limit(records, "training", "chat", tok, limit, "error")
+  with pytest.raises(sources.DataError, match="every held-out prompt is longer than"):
+    prompts.within_limit(records[1:2], "held-out", "chat", tok, limit, "drop")
+  from reasoner.config import ConfigError, load_config
+
+  with pytest.raises(ConfigError, match="config key 'data.overlong' = 'skip': expected one of "
+                     "'drop', 'error'"):
+    load_config(ROOT / "configs/tiny.yaml", ["data.overlong=skip"])

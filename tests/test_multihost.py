@@ -7,9 +7,11 @@ checkpoint, rollout, train step, orbax checkpoint, held-out eval, metrics (proce
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,8 +66,38 @@ def test_two_processes_agree_with_one(tmp_path):
   assert (tmp_path / "multi" / "eval.json").exists()
 
 
-def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str) -> None:
-  """One process of the run: `train` with the loss of every step recorded."""
+@pytest.mark.slow
+def test_a_signal_to_one_process_saves_the_same_step_on_every_process(tmp_path):
+  ckpt = tmp_path / "download"
+  write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
+  port = str(_free_port())
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "sig", str(ckpt), "500"], 4)
+           for i in range(2)]
+  metrics = tmp_path / "sig" / "metrics.jsonl"
+  try:
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline and all(p.poll() is None for p in procs) and (
+        not metrics.exists() or metrics.read_text().count('"loss"') < 2):
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)  # one host only, as a TPU VM's hosts may be
+    outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
+  stops = [[l for l in out.splitlines() if l.startswith("STOPPED ")] for out in outs]
+  assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+  step = int(stops[0][0].split()[1])
+  assert 2 <= step < 500 and (tmp_path / "sig" / "checkpoints" / str(step) / "state").is_dir()
+  rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, step + 1))
+
+
+def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
+            steps: str = "1") -> None:
+  """One process of the run: `train` with the loss of every step recorded; a signal's stop
+  printed as `STOPPED <step>` and its exit code."""
   import jax
 
   if int(nproc) > 1:  # cross-process collectives on CPU: gloo (jax's default)
@@ -89,14 +121,24 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str)
 
   Trainer.train_step = recording
   cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-      f"train.run_dir={run_dir}", f"train.run_name={name}", "train.steps=1",
+      f"train.run_dir={run_dir}", f"train.run_name={name}", f"train.steps={steps}",
+      f"train.checkpoint_every={steps}", f"train.eval_before={steps == '1'}",
       "model.source=kaggle", f"model.path={ckpt}", "model.tokenizer=auto"])
-  loop.train(cfg)
+  try:
+    loop.train(cfg)
+  except loop.Interrupted as e:
+    print(f"STOPPED {loop_step(e)}", flush=True)
+    sys.exit(e.code)
   lora = multihost_utils.process_allgather(states[-1].lora, tiled=True)
   norm = float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(lora))))
   print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),
                                 "local_devices": jax.local_device_count(), "losses": losses,
                                 "lora_norm": norm}), flush=True)
+
+
+def loop_step(e) -> int:
+  """The saved step, from the line an interrupted run prints ('SIGTERM: saved step N of M')."""
+  return int(str(e).split("saved step ")[1].split()[0])
 
 
 if __name__ == "__main__":
