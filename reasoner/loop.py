@@ -70,6 +70,8 @@ class Run:
                         f"({session.duration(-self.clock.left())} ago)")
     self.path = cfg.run_path
     _check_writable(self.path)
+    if jax.process_index() == 0:
+      session.claim(self.path)
     manifest.check(cfg, self.path)  # before anything loads: a refused start costs nothing
     if cfg.train.resume_from and not _has_checkpoints(self.path):
       manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, resumed_from=True)
@@ -147,6 +149,7 @@ class Run:
     plot = self.writer.plot()
     self.writer.close()
     self.ckpt.close()
+    session.release(self.path)
     if self.stopped and jax.process_index() == 0:
       tqdm.write(self.results["stopped"])  # last, where the user looks
     return plot

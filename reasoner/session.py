@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import os
 import pathlib
 import re
+import socket
 import time
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
@@ -110,3 +112,38 @@ def on_kaggle() -> bool:
 def writable_root() -> pathlib.Path:
   """Where a run writes: /kaggle/working on Kaggle (/kaggle/input is read-only), else here."""
   return pathlib.Path("/kaggle/working") if on_kaggle() else pathlib.Path.cwd()
+
+
+_claimed: dict[str, int] = {}  # run directory -> the open lock file this process holds
+
+
+def claim(run: pathlib.Path) -> None:
+  """Takes `run`/.lock for this process, so that two sessions (a notebook and a terminal, two
+  terminals) never write one run's checkpoints and logs at once. An flock: the kernel drops it
+  when the process ends, even by kill -9, so no stale lock outlives a crash. Claiming a run
+  this process already holds (a notebook cell run again) is a no-op."""
+  from reasoner.config import ConfigError
+
+  key = str(run.absolute())
+  if key in _claimed:
+    return
+  fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+    os.close(fd)
+    raise ConfigError(f"run {run} is in use by {holder}; wait for it to end, or use another "
+                      "train.run_name") from None
+  except OSError:  # a filesystem without locks: run unguarded rather than not at all
+    os.close(fd)
+    return
+  os.ftruncate(fd, 0)
+  os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+  _claimed[key] = fd
+
+
+def release(run: pathlib.Path) -> None:
+  fd = _claimed.pop(str(run.absolute()), None)
+  if fd is not None:
+    os.close(fd)

@@ -228,3 +228,31 @@ def test_debug_shows_the_traceback_that_is_otherwise_one_line(tmp_path):
                        text=True)
     assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
     assert "ConfigError: config key 'train.deadline'" in p.stderr.strip().splitlines()[-1]
+
+
+def test_a_run_in_use_by_another_process_is_refused_in_one_line(tmp_path):
+  run = tmp_path / "busy"
+  run.mkdir()
+  holder = subprocess.Popen([sys.executable, "-c", (
+      "import sys, time; sys.path.insert(0, %r); import pathlib\n"
+      "from reasoner import session\n"
+      "session.claim(pathlib.Path(%r)); print('held', flush=True); time.sleep(120)")
+      % (str(ROOT), str(run))], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    p = subprocess.run([sys.executable, "-m", "reasoner", "train", "--config",
+                        str(ROOT / "configs/tiny.yaml"), f"train.run_dir={tmp_path}",
+                        "train.run_name=busy"], env=_env(), cwd=ROOT, capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: run {run} is in use by process {holder.pid} on {os.uname().nodename}; wait "
+        "for it to end, or use another train.run_name"], p.stderr[-2000:]
+    assert sorted(f.name for f in run.iterdir()) == [".lock"]  # nothing written
+  finally:
+    holder.kill()
+    holder.wait()
+  from reasoner import session  # the kernel dropped the killed holder's lock
+
+  session.claim(run)
+  session.claim(run)  # again in the same process (a notebook cell run twice): a no-op
+  session.release(run)
