@@ -76,7 +76,7 @@ class Checkpointer:
     """Saves whole or not at all; a failed save (a full disk, a folder gone read-only) removes
     its partial folder and raises one line naming the space left and the last whole one."""
     try:
-      with _held_back():
+      with held_back():
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       data=ocp.args.JsonSave(data_state)))
         self._mngr.wait_until_finished()
@@ -162,7 +162,7 @@ def _shapes(tree) -> dict[tuple[str, ...], tuple]:
 
 
 @contextlib.contextmanager
-def _held_back():
+def held_back():
   """Holds what orbax's writer threads print about an error (a traceback per thread, logged or
   raised) while the block runs: dropped when the block raises (the caller reports it in one
   line), shown when it does not."""
@@ -197,15 +197,22 @@ def _absl_errors_only():
 def write_error(e: BaseException, directory: pathlib.Path) -> str:
   """What stopped a write, in words: the disk's space left, or the first line of the cause."""
   free = shutil.disk_usage(_existing(directory)).free
-  text = _first_line(e)
-  if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or (
+  root, text = _root(e), _first_line(e)
+  if getattr(root, "errno", None) == errno.ENOSPC or "No space left" in text or (
       "RESOURCE_EXHAUSTED" in text):
     return f"no space left on its disk ({_size(free)} free)"
-  if getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM):
-    return f"not writable ({e.strerror})"
-  if isinstance(e, OSError) and e.strerror:
-    return e.strerror
+  if getattr(root, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM):
+    return f"not writable ({root.strerror})"
+  if isinstance(root, OSError) and root.strerror:
+    return root.strerror
   return f"{text} ({_size(free)} free there)"
+
+
+def is_write_failure(e: BaseException) -> bool:
+  """Whether `e` came from the filesystem refusing a write (rather than from a bug)."""
+  root = _root(e)
+  return isinstance(root, OSError) or "RESOURCE_EXHAUSTED" in str(root) or (
+      "No space left" in str(root))
 
 
 def _existing(path: pathlib.Path) -> pathlib.Path:

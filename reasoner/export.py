@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from reasoner.checkpoint import held_back, is_write_failure, write_error
 from reasoner.config import Config, ConfigError
 from reasoner.models import gemma, kaggle
 
@@ -208,6 +209,28 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
   _sync("export-start")
+  try:
+    with held_back():  # orbax's writer threads print what a failed write raises
+      _write(tmp, setup, cfg, params, family, variant, got, formats)
+  except Exception as e:
+    if jax.process_index() == 0:
+      shutil.rmtree(tmp, ignore_errors=True)
+    if is_write_failure(e):
+      raise ConfigError(f"cannot export to {out}: {write_error(e, out.parent)}; nothing was "
+                        f"left there") from e
+    raise
+  if jax.process_index() == 0:
+    if out.exists():
+      out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+  _sync("export-done")
+  log(f"exported step {got} of {cfg.run_path} ({cfg.model.name}, LoRA merged, {cfg.model.dtype}) "
+      f"to {out}/{variant}" + (" and model.safetensors" if "safetensors" in formats else ""))
+  return out
+
+
+def _write(tmp: pathlib.Path, setup, cfg: Config, params, family: str, variant: str, got: int,
+           formats: tuple[str, ...]) -> None:
   import orbax.checkpoint as ocp
 
   tree = upstream_tree(family, params)
@@ -229,13 +252,6 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
         "dtype": cfg.model.dtype, "formats": list(formats),
         "tokenizer": "tokenizer.model" if proto is not None else "bytes (model.tokenizer=bytes)",
     }, indent=2) + "\n")
-    if out.exists():
-      out.rmdir()  # empty (checked above)
-    tmp.rename(out)
-  _sync("export-done")
-  log(f"exported step {got} of {cfg.run_path} ({cfg.model.name}, LoRA merged, {cfg.model.dtype}) "
-      f"to {out}/{variant}" + (" and model.safetensors" if "safetensors" in formats else ""))
-  return out
 
 
 def variant_name(cfg: Config) -> str:

@@ -229,6 +229,9 @@ class Run:
     say = tqdm.write if jax.process_index() == 0 else (lambda _: None)
     target = checkpoint_tree(state)
     found, origin, folder = self.ckpt.restore_latest(target, say), None, self.ckpt.directory
+    if found is not None and cfg.train.resume_from:
+      say(f"train.resume_from ({cfg.train.resume_from}) is not used: this run has checkpoints "
+          f"of its own, and continues from its newest")
     if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
       manifest.check(cfg, folder.parent, resumed_from=True)

@@ -205,6 +205,19 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
   err = capsys.readouterr().err
   assert _full_disk_line(2, folder, 1).fullmatch(err.strip().splitlines()[-1]), err[-3000:]
   assert sorted(c.name for c in folder.iterdir()) == ["1"]
+  small = tmp_path / "small"  # an export onto a full disk leaves nothing behind
+  if _mount_small_disk(small, "64k"):
+    try:
+      p = subprocess.run([sys.executable, "-m", "reasoner", "export", "--config",
+                          str(ROOT / "configs/tiny.yaml"), f"train.run_dir={tmp_path}",
+                          "train.run_name=inj", "--out", str(small / "model")], env=_env(),
+                         cwd=ROOT, capture_output=True, text=True)
+      assert p.returncode == 2 and re.fullmatch(
+          rf"error: cannot export to {re.escape(str(small))}/model: no space left on its disk "
+          rf"\(\d+\.\d KiB free\); nothing was left there", p.stderr.strip()), p.stderr[-3000:]
+      assert not list(small.iterdir())
+    finally:
+      subprocess.run(["umount", str(small)], check=False)
 
 
 def test_an_unwritable_run_directory_is_one_line_before_anything_loads(tmp_path):

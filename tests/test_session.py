@@ -101,6 +101,9 @@ def test_two_sessions_equal_one(tmp_path, monkeypatch):
   second = loop.train(tiny_config(*common, "train.run_name=second",
                                      f"train.resume_from={tmp_path / 'input'}"))
   assert "stopped" not in second and _digest(copy) == before  # nothing written there
+  manifest = json.loads((tmp_path / "second" / "run.json").read_text())
+  assert manifest["history"] == [{"step": 2, "changes": {}, "continued_from": str(copy)}]
+  assert manifest["config"] == json.loads((copy / "run.json").read_text())["config"]
 
   (s_full, a), (s_two, b) = _state(tmp_path / "full"), _state(tmp_path / "second")
   assert s_full == s_two == 4
