@@ -57,12 +57,12 @@ def lora_delta(strings: tuple[str | None, str | None], shape: tuple[int, ...], a
 def merged(graphdef, lora, base, scale: float) -> dict[tuple, jax.Array]:
   """Every base parameter with its LoRA merged in: {Tunix path: array}, sharded as the base."""
   model = nnx.merge(graphdef, lora, base)
-  out = {p: v.value for p, v in nnx.to_flat_state(base)}
+  out = {p: v.get_value() for p, v in nnx.to_flat_state(base)}
   pairs = {}
   for path, v in nnx.to_flat_state(lora):
     name = str(path[-1])
     weight, part = name.rsplit("_lora_", 1)
-    pairs.setdefault((*path[:-1], weight), {})[part] = v.value
+    pairs.setdefault((*path[:-1], weight), {})[part] = v.get_value()
   for path, ab in pairs.items():
     module = model
     for p in path[:-1]:

@@ -143,21 +143,26 @@ def grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records, 
 
 
 def restore_lora(setup: Setup, step: int | None = None):
-  """(LoRA weights, step) of the run's checkpoint at `step` (default: the latest), read-only;
-  (the initial LoRA, 0) when the run has no checkpoint and no step was asked for."""
+  """(LoRA weights, step) of the run's checkpoint at `step` (default: the newest that reads,
+  each unreadable one named on the way), read-only; (the initial LoRA, 0) when the run has no
+  checkpoint and no step was asked for."""
   folder = setup.cfg.run_path / "checkpoints"
   ckpt = Checkpointer(folder, 1, read_only=True) if folder.is_dir() else None
   steps = ckpt.all_steps() if ckpt else []
   if step is not None and step not in steps:
     raise CheckpointError(f"step {step}: no such checkpoint in {folder} (it has "
                           f"{', '.join(map(str, steps)) or 'none'})")
-  step = step if step is not None else max(steps, default=None)
-  if step is None:
+  if not steps:
     return setup.lora, 0
   trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
-  state = trainer.init_state(setup.lora, jax.random.PRNGKey(0))
-  tree, _ = ckpt.restore(step, checkpoint_tree(state))
-  return tree["lora"], step
+  target = checkpoint_tree(trainer.init_state(setup.lora, jax.random.PRNGKey(0)))
+  if step is not None:
+    return ckpt.restore(step, target)[0]["lora"], step
+  found = ckpt.restore_latest(target, lambda line: tqdm.write(line) if jax.process_index() == 0
+                              else None)
+  if found is None:
+    raise CheckpointError(f"no checkpoint in {folder} can be read")
+  return found[1]["lora"], found[0]
 
 
 def eval_only(cfg: Config) -> dict:

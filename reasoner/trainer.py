@@ -218,7 +218,7 @@ class Trainer:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     m = batch.completion_mask.astype(jnp.float32)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": self.schedule(state.step),
                "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
                **grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,

@@ -152,7 +152,7 @@ def test_restore_matches_tunix_mapping_and_holds_only_its_shards(download, caplo
   np.testing.assert_allclose(logits(model, TOKENS), logits(ref, TOKENS), rtol=1e-6, atol=1e-6)
   split = 0
   for path, var in nnx.to_flat_state(nnx.state(model)):
-    arr, name = var.value, ".".join(map(str, path))
+    arr, name = var.get_value(), ".".join(map(str, path))
     full = np.asarray(flat[name], np.float32)
     assert arr.dtype == jnp.float32 and arr.shape == full.shape, name
     assert len(arr.addressable_shards) == 8
@@ -199,7 +199,7 @@ def test_gemma2_layout_matches_tunix_linen_mapping(tmp_path):
       map_key_fn=gemma_lib._map_linen_var_names,
       assign_val_fn=gemma_lib._assign_linen_params_to_nnx_state)
   np.testing.assert_allclose(logits(model, TOKENS), logits(ref, TOKENS), rtol=1e-5, atol=1e-5)
-  gate = model.layers[1].mlp.gate_proj.kernel.value
+  gate = model.layers[1].mlp.gate_proj.kernel.get_value()
   assert mesh_lib.shard_fraction(gate) == pytest.approx(1 / 8)
 
 
@@ -234,7 +234,7 @@ def test_build_through_a_kagglehub_stand_in(download, monkeypatch, caplog):
 
   setup = build(tiny_config("model.source=kaggle", f"model.path={root}", "model.tokenizer=auto",
                             "lora.rank=2"))
-  emb = setup.base["embedder"]["input_embedding"].value
+  emb = setup.base["embedder"]["input_embedding"].get_value()
   assert mesh_lib.shard_fraction(emb) == pytest.approx(1 / 8)
   np.testing.assert_array_equal(
       np.asarray(emb), np.asarray(tree["transformer/embedder"]["input_embedding"], np.float32))
@@ -354,7 +354,7 @@ def test_model_layers_reads_only_the_first_layers(download):
   spec = gemma.model_spec(cfg, 384)
   model = kaggle.restore(spec, mesh_of(8), root / "gemma3-1b-it")
   assert len(model.layers) == 1 and spec.num_layers == 1
-  q = np.asarray(model.layers[0].attn.q_einsum.w.value)
+  q = np.asarray(model.layers[0].attn.q_einsum.w.get_value())
   np.testing.assert_array_equal(q, np.asarray(tree["transformer/layer_0/attn/q_einsum"]["w"],
                                               np.float32))
   with pytest.raises(ConfigError, match="config key 'model.layers' = 0: expected a positive"):

@@ -21,9 +21,9 @@ def setup():
 
 def test_parameters_are_born_sharded_over_eight_devices(setup):
   assert setup.mesh.devices.size == 8
-  emb = setup.base["embedder"]["input_embedding"].value
+  emb = setup.base["embedder"]["input_embedding"].get_value()
   assert mesh_lib.shard_fraction(emb) == pytest.approx(1 / 8)
-  kernel = setup.base["layers"][0]["mlp"]["gate_proj"]["kernel"].value
+  kernel = setup.base["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
   assert mesh_lib.shard_fraction(kernel) == pytest.approx(1 / 8)
   assert len(jax.tree.leaves(setup.lora)) > 0
 

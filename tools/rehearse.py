@@ -44,7 +44,7 @@ def write_checkpoint(preset: str, out: pathlib.Path) -> None:
   mesh = mesh_lib.make_mesh(cfg.mesh)
   spec = gemma.model_spec(cfg.model)
   model = gemma.init_random(spec, mesh, 0)
-  params = {p: v.value for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   with ocp.PyTreeCheckpointer() as c:
     c.save(out / export.variant_name(cfg), export.upstream_tree(spec.family, params))
   tok = gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()

@@ -78,7 +78,7 @@ class _HiddenStates:
     return getattr(self, "final_logits_softcap", None)
 
   def embedding(self) -> jax.Array:  # [V, D], tied input embedding and output head
-    return self.embedder.input_embedding.value
+    return self.embedder.input_embedding.get_value()
 
 
 def _sliding(layer) -> bool:
@@ -216,13 +216,13 @@ def from_host(spec: ModelSpec, mesh: Mesh,
   leaves = []
   for path, var in flat_abs.items():
     name = ".".join(str(p) for p in path)
-    shape, dtype = tuple(var.value.shape), var.value.dtype
+    shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
     host = np.asarray(read(name, shape))
     if host.shape != shape:
       raise ValueError(f"parameter {name}: expected shape {shape}, the checkpoint has "
                        f"{host.shape}")
     host = host.astype(dtype)
-    sharding: NamedSharding = flat_shd[path].value
+    sharding: NamedSharding = flat_shd[path].get_value()
     arr = mesh_lib.array_from_host(shape, sharding, lambda idx, h=host: h[idx])
     leaves.append((path, var.replace(arr)))
     del host

@@ -468,8 +468,8 @@ def restore(spec: gemma.ModelSpec, mesh: Mesh, params: pathlib.Path,
   graphdef, abs_state, shardings = gemma.abstract_model(spec, mesh)
   flat_abs = dict(nnx.to_flat_state(abs_state))
   flat_shd = dict(nnx.to_flat_state(shardings))
-  targets = {p: jax.ShapeDtypeStruct(v.value.shape, spec.param_dtype(v.value.dtype),
-                                     sharding=flat_shd[p].value) for p, v in flat_abs.items()}
+  targets = {p: jax.ShapeDtypeStruct(v.get_value().shape, spec.param_dtype(v.get_value().dtype),
+                                     sharding=flat_shd[p].get_value()) for p, v in flat_abs.items()}
   meta = read_metadata(params) if meta is None else meta
   sources = plan(spec.family, targets, meta, params)
   nbytes = {s: math.prod(s.shape) * max(np.dtype(targets[s.targets[0]].dtype).itemsize,
