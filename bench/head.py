@@ -61,7 +61,7 @@ def dense_step(trainer):
   from tunix.rl.common import selective_log_softmax
 
   from reasoner import grpo
-  from reasoner.sampler import causal_mask, positions_from_mask
+  from reasoner.models.cache import causal_mask, positions_from_mask
 
   g = trainer.cfg.grpo
 

@@ -30,16 +30,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from reasoner.config import ConfigError
+from reasoner.errors import CheckpointDamaged, CheckpointError
 from reasoner.mesh import agreed
-
-
-class CheckpointError(ConfigError):
-  """A checkpoint cannot be found or does not fit this run (one line)."""
-
-
-class CheckpointDamaged(CheckpointError):
-  """A checkpoint's files cannot be read (a partial copy, a disk that failed while flushing)."""
 
 
 def _quiet_closed_loop(hook=sys.unraisablehook):
@@ -52,7 +44,19 @@ def _quiet_closed_loop(hook=sys.unraisablehook):
   return quiet
 
 
+class _OrphanedWriteFailures(logging.Filter):
+  """A failed orbax write leaves its sibling write tasks' failures unretrieved; asyncio logs
+  each as "Task exception was never retrieved" with a traceback whenever the task is collected.
+  The failure itself reaches the saver, which reports it in one line: these copies are dropped."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and record.getMessage().startswith(
+        "Task exception was never retrieved") and is_write_failure(exc))
+
+
 sys.unraisablehook = _quiet_closed_loop()
+logging.getLogger("asyncio").addFilter(_OrphanedWriteFailures())
 
 
 class Checkpointer:

@@ -10,7 +10,8 @@ import pathlib
 import shlex
 import sys
 
-from reasoner.config import ConfigError, load_config
+from reasoner.config import load_config
+from reasoner.errors import UserError
 
 DEFAULT_CONFIG = "configs/embedded.yaml"
 
@@ -72,9 +73,6 @@ def main(argv: list[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   for noisy in ("absl", "jax._src", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  from reasoner.data.sources import DataError
-  from reasoner.rewards import RewardError
-
   try:
     cfg = load_config(args.config, args.overrides)
     from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
@@ -98,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
       for i, text in enumerate(run.sample(cfg, args.question, args.n)):
         print(f"[{i}] {text}")
-  except (ConfigError, DataError, RewardError, FileNotFoundError, FloatingPointError) as e:
+  except (UserError, FileNotFoundError, FloatingPointError) as e:
     if debug:
       raise
     _say("".join(f"error: {line}\n" for line in str(e).splitlines()))

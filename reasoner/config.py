@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from reasoner.errors import ConfigError
+
 
 class _Loader(yaml.SafeLoader):
   """YAML 1.1 reads '1e-5' and '3E-4' as strings (its floats need a dot and a signed exponent);
@@ -33,10 +35,6 @@ _Loader.add_implicit_resolver(
 
 def _yaml(text: str) -> Any:
   return yaml.load(text, Loader=_Loader)
-
-
-class ConfigError(ValueError):
-  """A configuration value is missing, unknown, of the wrong type or impossible."""
 
 
 def _fail(key: str, value: Any, expected: str) -> None:

@@ -192,7 +192,7 @@ class Run:
       with clock.timed("step"):
         state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state,
                                    next(self.data), step)
-      clock.times["eval_estimate"] = metrics["rollout_s"] * _eval_share(cfg)
+      clock.estimated("eval", metrics["rollout_s"] * _eval_share(cfg))
       self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
       self.writer.log(step + 1, metrics)
       bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",

@@ -222,7 +222,7 @@ def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> St
 def kv_cache(cfg: Config, mesh: Mesh, prompts: int, g: int) -> int:
   """Per-chip KV cache bytes of a rollout of `prompts` x `g` rows, as the sampler lays it out."""
   from reasoner.models import gemma
-  from reasoner.sampler import kv_cache_bytes
+  from reasoner.models.cache import kv_cache_bytes
 
   spec = gemma.model_spec(cfg.model, _vocab(cfg))
   return kv_cache_bytes(spec.tunix_config, prompts, g, cfg.data.max_prompt_tokens,

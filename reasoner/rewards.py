@@ -14,17 +14,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from reasoner.config import ConfigError, RewardSpec
+from reasoner.config import RewardSpec
+from reasoner.errors import ConfigError, RewardError
 
 RewardFn = Callable[..., list[float]]
 
 EXACT = re.compile(r"^\s*<reasoning>(?:(?!</?reasoning>|</?answer>).)+</reasoning>\s*"
                    r"<answer>\s*(?:(?!</?reasoning>|</?answer>).)+?\s*</answer>\s*$", re.S)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-class RewardError(RuntimeError):
-  """A reward function raised or returned something unusable."""
 
 
 def format_exact(prompts, completions, **_) -> list[float]:

@@ -13,11 +13,9 @@ from tqdm import tqdm
 
 from reasoner import grpo, lora as lora_lib, mesh as mesh_lib, rewards as rewards_lib
 from reasoner.build import Setup, build
-from reasoner.mesh import agreed
 from reasoner.checkpoint import CheckpointError, Checkpointer
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
-from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
 from reasoner.models import gemma
 from reasoner.sampler import Sampler, SamplingConfig

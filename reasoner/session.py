@@ -75,6 +75,10 @@ class Clock:
     if what == "save":
       self.last_save = time.time()
 
+  def estimated(self, what: str, seconds: float) -> None:
+    """A stand-in for a time not measured yet (the latest estimate, not the longest)."""
+    self.times[f"{what}_estimate"] = seconds
+
   @contextlib.contextmanager
   def timed(self, what: str):
     t0 = time.time()

@@ -25,7 +25,7 @@ from flax import nnx
 from reasoner import grpo, heads
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
-from reasoner.sampler import causal_mask, init_cache, positions_from_mask
+from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
 
 
 @flax.struct.dataclass

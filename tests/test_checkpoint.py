@@ -1,7 +1,6 @@
 """The Checkpointer's fault paths on a small tree, in process: what is refused, what is set
 aside, and what is left alone."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from conftest import ROOT
 
@@ -59,7 +58,7 @@ def test_reward_that_raises_leaves_checkpoints_intact(tmp_path):
   assert run("train", *base).returncode == 0
   ckpt = tmp_path / "r" / "checkpoints"
   before = _digest(ckpt)
-  env_path = f"rewards=[{{fn: bad_reward:explode}}]"
+  env_path = "rewards=[{fn: bad_reward:explode}]"
   p = subprocess.run([sys.executable, "-m", "reasoner", "train", *base, "train.steps=4",
                       env_path], cwd=ROOT, capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu",

@@ -18,7 +18,7 @@ from conftest import ROOT
 from reasoner import heads, mesh as mesh_lib
 from reasoner.config import MeshConfig, ModelConfig
 from reasoner.models import gemma, gguf
-from reasoner.sampler import causal_mask, positions_from_mask
+from reasoner.models.cache import causal_mask, positions_from_mask
 
 REF = json.loads((ROOT / "tests" / "gguf_reference_logits.json").read_text())
 

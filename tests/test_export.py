@@ -20,7 +20,7 @@ from reasoner import export, lora as lora_lib, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
 from reasoner.models import gemma, gguf
-from reasoner.sampler import causal_mask, positions_from_mask
+from reasoner.models.cache import causal_mask, positions_from_mask
 from test_kaggle import TOKENS, gemma2_spec
 
 TINY = ROOT / "configs" / "tiny.yaml"

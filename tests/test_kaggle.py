@@ -25,7 +25,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, MeshConfig, ModelConfig
 from reasoner.models import gemma, kaggle
 from reasoner.models.tokenizer import sentencepiece_from_vocab
-from reasoner.sampler import causal_mask, positions_from_mask
+from reasoner.models.cache import causal_mask, positions_from_mask
 
 TINY = dict(layers=2, vocab=384, d=64, f=128, heads=2, kv=1, h=32)  # configs/tiny.yaml's shapes
 GEMMA2 = dict(layers=2, vocab=384, d=64, f=96, heads=4, kv=2, h=16)

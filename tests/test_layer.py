@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import tiny_config
 from reasoner.build import build
 from reasoner.models import attention, layer
-from reasoner.sampler import causal_mask, positions_from_mask
+from reasoner.models.cache import causal_mask, positions_from_mask
 
 
 def _dense(q, k, v, mask):  # the same forward, left to autodiff

@@ -13,8 +13,9 @@ from reasoner import heads, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.models import decode
 from reasoner.config import MeshConfig
-from reasoner.sampler import (Sampler, SamplingConfig, causal_mask, init_cache, next_token,
-                              positions_from_mask, sample_token, slot_major_sharding)
+from reasoner.models.cache import (causal_mask, init_cache, positions_from_mask,
+                                   slot_major_sharding)
+from reasoner.sampler import Sampler, SamplingConfig, next_token, sample_token
 from reasoner.trainer import Trainer, build_batch
 
 
@@ -59,8 +60,6 @@ def test_gemma2_greedy_decode_on_the_repeated_cache(setup):
   (128) spans the padded prompt, as gemma2-2b's 4,096 does: Tunix's Gemma 2 prefill differs
   from the unpadded forward once the left padding is longer than the window."""
   import dataclasses
-
-  from flax import nnx
 
   from reasoner.models import gemma
 
@@ -241,7 +240,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   equal `kv_cache_bytes`, and each live shard holds exactly its block."""
   import types
 
-  from reasoner.sampler import init_cache, kv_cache_bytes, shard_cache, slot_major_sharding
+  from reasoner.models.cache import init_cache, kv_cache_bytes, shard_cache, slot_major_sharding
 
   spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
   mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))

@@ -47,7 +47,7 @@ def test_clock_keeps_time_for_the_final_save_eval_and_export():
   assert not clock.stop_before_next_step(True)  # 30 + 35 < ~100
   clock.measured("step", 70)
   assert clock.stop_before_next_step(True)  # 70 + 35 > ~100
-  clock.times["eval_estimate"] = 1  # a timed evaluation wins over an estimate
+  clock.estimated("eval", 1)  # a timed evaluation wins over an estimate
   assert clock.reserve(True) == 35
   every = session.Clock(None, checkpoint_minutes=1 / 600)  # 0.1 s
   assert not every.save_due()

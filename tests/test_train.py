@@ -54,7 +54,7 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
   """Reference: every row's whole sequence through the model (Tunix's attention, left to
   autodiff), full [R, T, V] log-softmax."""
   from reasoner import heads
-  from reasoner.sampler import causal_mask, positions_from_mask
+  from reasoner.models.cache import causal_mask, positions_from_mask
 
   g = completion.shape[0] // prompt.shape[0]
   tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], 1)

@@ -7,7 +7,7 @@ pattern, so that is the honest way to show it the format GRPO then reinforces.
 
 from __future__ import annotations
 
-from reasoner.data.sources import DataError
+from reasoner.errors import DataError
 
 INSTRUCTION = ("Solve the problem. Write your reasoning inside <reasoning></reasoning> and the "
                "final number inside <answer></answer>.")

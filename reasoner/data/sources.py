@@ -11,11 +11,8 @@ from typing import Any
 import grain
 
 from reasoner.config import DataConfig
+from reasoner.errors import DataError
 from reasoner.data import arithmetic
-
-
-class DataError(ValueError):
-  """A dataset cannot be found, read or understood."""
 
 
 def _read_file(path: str, kind: str, cfg: DataConfig, key: str) -> list[dict]:
