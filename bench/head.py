@@ -5,7 +5,7 @@
 (a) Planned per-chip HBM and compiled FLOPs, Gemma3-1B (bf16), LoRA r64, L = 256 + 768,
     G = 8, fsdp = 8 on TPU v5e:2x4 (compiled ahead of time with libtpu, `reasoner.plan`), for
     each remat setting and global batch (sequences), of
-      ours:  `Trainer._train_step` (shared-prompt forward, `models.layer` and
+      ours:  `Trainer.step` (shared-prompt forward, `models.layer` and
              `models.attention`, `heads.fused_token_loss`);
       dense: Tunix 0.1.7's step (`dense_step`): each row's whole sequence through the
              model with Tunix's layers (residual stream pinned to rows over 'fsdp', as
@@ -63,7 +63,7 @@ def dense_step(trainer):
   from reasoner import grpo
   from reasoner.models.cache import causal_mask, positions_from_mask
 
-  g = trainer.cfg.grpo
+  g = trainer.grpo
 
   def step(base, state, batch):
     def loss_fn(model):
@@ -132,7 +132,15 @@ def _compiled(rows, remat, name, batch, mesh, model, chip, loss=None, micro=None
   from reasoner import plan
 
   t0 = time.perf_counter()
-  r = plan.train_plan(config(remat, batch // G), mesh, model, batch // G, chip, loss, micro)
+  cfg, prompts = config(remat, batch // G), batch // G
+  if loss is None:
+    r = plan.train_plan(cfg, mesh, model, prompts, chip, micro)
+  else:  # the reference step over the same abstract inputs, state donated as in `Trainer.step`
+    trainer = plan.trainer_for(cfg, model, micro)
+    args = trainer.abstract_inputs(model[1], prompts, G, cfg.data.max_prompt_tokens,
+                                   cfg.rollout.max_new_tokens)
+    r = plan.compile_plan(jax.jit(loss(trainer), donate_argnums=(1,)), args, {}, "train",
+                          prompts, batch, chip)
   rows.append({"remat": remat, "step": name, "batch": batch,
                "micro_batch": (micro or batch // G) * G, "fits": r.fits,
                "hbm_gib": r.total / plan.GiB if r.total else None,

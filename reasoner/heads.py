@@ -8,8 +8,8 @@ from every data-parallel shard: a [K, shards * chunk, ...] stack whose middle ax
 over 'fsdp'. A chip then holds one [chunk, V / tp] float32 logits block at a time, whatever
 the batch: a fixed number of tokens per chip. By default `chunk` keeps that block at 256 MiB
 (256 tokens for V = 262,144), and at most `STEP_ROWS` / shards tokens per shard where shards
-feed each step (64 on fsdp = 8: a 64 MiB block, still a 512-row matmul a step; the 256 MiB
-blocks kept Gemma3-1B at 128 sequences from fitting a v5e chip); `train.head_chunk` overrides
+feed each step (64 on fsdp = 8: a 64 MiB block, still a 512-row matmul a step: larger blocks cost
+the batch that fits a chip); `train.head_chunk` overrides
 it. In the two log-prob heads the vocabulary is split across the chips instead of the tokens
 (`_vocab_parallel`): each step gathers the step's [shards * chunk, D] hidden states and each
 chip takes a [shards * chunk, V / (fsdp * tp)] block (the same bytes) against its own slice of
@@ -37,7 +37,7 @@ by the incoming (scalar) cotangent.
 Why this variant (Liger-style) and not storing the log-normaliser and recomputing the logits in
 the backward (Cut-Cross-Entropy, or remat): the latter accepts any downstream use of logp but
 computes every chunk's logits twice, 4 vocabulary matmuls per chunk against the dense path's 3
-(1.33x the head's FLOPs; a public CCE port for Tunix measured 1.85x slower steps). Fused, the
+(1.33x the head's FLOPs). Fused, the
 head costs what the dense path costs (3 matmuls, 2 when the embedding is frozen) at chunked
 memory. The price: the loss must be a per-token function of logp fixed at the call; the
 returned logp and entropy carry no gradient (stop-gradient). Residuals are dh [B*T, D] in the

@@ -79,7 +79,7 @@ class Run:
       self.setup = build(cfg)
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
-    self.trainer = Trainer(self.setup.graphdef, self.setup.base, cfg)
+    self.trainer = Trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
     self.sampler = make_sampler(self.setup)
     self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)
     state = self.trainer.init_state(self.setup.lora, jax.random.PRNGKey(cfg.train.seed))

@@ -59,18 +59,6 @@ def row_axis(mesh: Mesh, rows: int) -> str | None:
   return "fsdp" if rows % mesh.shape["fsdp"] == 0 else None
 
 
-def prompt_copies(mesh: Mesh | None, prompts: int, g: int) -> int:
-  """Copies of each prompt to run through the model so that every chip finds the prompt of its
-  own rows on itself: with rows (prompts x G) over 'fsdp' and fewer prompts than chips, a group
-  spans several chips and each of them takes one copy (4 prompts of G = 8 on fsdp = 8: 2
-  copies, one prompt a chip), rather than every chip running every prompt. 1 where the prompts
-  already divide over 'fsdp', the rows are replicated, or the copies would not divide G."""
-  if mesh is None or row_axis(mesh, prompts * g) is None:
-    return 1
-  c = mesh.shape["fsdp"] // math.gcd(prompts, mesh.shape["fsdp"])
-  return c if g % c == 0 else 1
-
-
 def batch_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
   """Rows split over 'fsdp' where they divide evenly (`row_axis`), otherwise replicated."""
   return batch_sharding(mesh, len(shape)) if row_axis(mesh, shape[0]) else replicated(mesh)

@@ -3,7 +3,7 @@
     python -m reasoner plan --config configs/gemma3_1b.yaml          # v5e:2x4, with search
     python -m reasoner plan --config configs/tiny.yaml --no-search --topology v5e:2x4
 
-The real train step (`Trainer._train_step`, state donated as on an accelerator) and the real
+The real train step (`Trainer.step`, state donated as on an accelerator) and the real
 rollout step (the sampler's `generate`) are compiled ahead of time for the topology with
 libtpu's compiler (`pip install '.[tpu]'`), from abstract inputs: ShapeDtypeStructs carrying
 NamedShardings on a mesh of the topology's compile-only devices, so nothing is allocated.
@@ -123,36 +123,6 @@ def _sds(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_placement(mesh, shape))
 
 
-def abstract_batch(cfg: Config, mesh: Mesh, prompts: int):
-  from reasoner.trainer import Batch
-
-  p, n = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
-  r = prompts * cfg.rollout.num_generations
-  s = lambda shape, dtype: _sds(shape, dtype, mesh)
-  return Batch(s((prompts, p), jnp.int32), s((prompts, p), jnp.bool_), s((r, n), jnp.int32),
-               s((r, n), jnp.bool_), s((r,), jnp.float32), s((r, n), jnp.float32),
-               s((r, n), jnp.float32))
-
-
-def abstract_state(trainer, lora, mesh: Mesh):
-  """TrainState of ShapeDtypeStructs: optimizer moments sharded like the LoRA weights."""
-  from reasoner.trainer import TrainState
-
-  rep = mesh_lib.replicated(mesh)
-  lora_def = jax.tree.structure(lora)
-
-  def place(sub):
-    if jax.tree.structure(sub) == lora_def:
-      return jax.tree.map(lambda a, l: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                            sharding=l.sharding), sub, lora)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), sub)
-
-  opt = jax.tree.map(place, jax.eval_shape(trainer.tx.init, lora),
-                     is_leaf=lambda x: jax.tree.structure(x) == lora_def)
-  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
-                    opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
-
-
 # ------------------------------------------------------------------------------- compiling
 
 def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: int,
@@ -178,28 +148,34 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
   return out
 
 
-def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
-               loss: Callable | None = None, micro: int | None = None) -> StepPlan:
-  """The real train step for `prompts` x G rows, in micro-batches of `micro` prompts (None:
-  one pass); `loss(trainer)` swaps in another step function of the same signature (the
-  benchmark's dense reference)."""
+def trainer_for(cfg: Config, model, micro: int | None = None):
+  """The run's `Trainer` over the abstract model, in micro-batches of `micro` prompts (None:
+  one pass) whatever `train.micro_batch` says: the planner searches over it."""
   from reasoner.trainer import Trainer
 
-  graphdef, lora, base = model
-  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=prompts,
-                                                           micro_batch=micro))
-  trainer = Trainer(graphdef, base, cfg)
-  step = jax.jit(loss(trainer) if loss else trainer._train_step, donate_argnums=(1,))
-  args = (base, abstract_state(trainer, lora, mesh), abstract_batch(cfg, mesh, prompts))
-  out = compile_plan(step, args, {}, "train", prompts, prompts * cfg.rollout.num_generations,
-                     chip)
+  graphdef, _, base = model
+  return Trainer(graphdef, base, cfg.grpo, cfg.optim,
+                 schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
+                 head_chunk=cfg.train.head_chunk, micro_batch=micro)
+
+
+def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
+               micro: int | None = None) -> StepPlan:
+  """The run's train step (`Trainer.step`) for `prompts` x G rows, in micro-batches of `micro`
+  prompts (None: one pass)."""
+  trainer = trainer_for(cfg, model, micro)
+  g = cfg.rollout.num_generations
+  args = trainer.abstract_inputs(model[1], prompts, g, cfg.data.max_prompt_tokens,
+                                 cfg.rollout.max_new_tokens)
+  out = compile_plan(trainer.step, args, {}, "train", prompts, prompts * g, chip)
   out.micro = micro or prompts
   return out
 
 
 def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
   """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
-  from reasoner.sampler import Sampler, SamplingConfig, prompt_layout
+  from reasoner.models.prompt import prompt_layout
+  from reasoner.sampler import Sampler, SamplingConfig
 
   graphdef, lora, base = model
   r = cfg.rollout

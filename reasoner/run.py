@@ -152,7 +152,7 @@ def restore_lora(setup: Setup, step: int | None = None):
                           f"{', '.join(map(str, steps)) or 'none'})")
   if not steps:
     return setup.lora, 0
-  trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
+  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
   target = checkpoint_tree(trainer.init_state(setup.lora, jax.random.PRNGKey(0)))
   if step is not None:
     return ckpt.restore(step, target)[0]["lora"], step

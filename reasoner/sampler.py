@@ -30,8 +30,7 @@ from reasoner import heads
 from reasoner import mesh as mesh_lib
 from reasoner.errors import DataError
 from reasoner.models import decode
-from reasoner.models.cache import (causal_mask, init_cache, positions_from_mask, shard_cache,
-                                   slot_major_sharding)
+from reasoner.models.prompt import prefill, prompt_layout
 
 log = logging.getLogger("reasoner")
 
@@ -140,26 +139,6 @@ class _Loop(NamedTuple):
   key: jax.Array
 
 
-def _prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
-             shared: bool) -> tuple[jax.Array, dict | None, dict]:
-  """Each prompt once through the model -> its last hidden state [B, D] and the decode cache:
-  shared (`models.decode`), the prompts' keys and values and an empty cache for the B * G rows'
-  N new tokens; otherwise (Gemma 2, Tunix's decode) the prompt's cache repeated to its G rows,
-  with room for N more."""
-  tcfg, dtype = model.config, model.embedding().dtype
-  b, p = prompt.shape
-  size = p if shared else p + n
-  hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask),
-                                      init_cache(tcfg, b, size, dtype),
-                                      causal_mask(prompt_mask, size))
-  if not shared:
-    rep = lambda x: jnp.repeat(x, g, axis=0)
-    return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
-  sharding = slot_major_sharding(tcfg, mesh)
-  return (hidden[:, -1], decode.from_prefill(cache, sharding),
-          decode.empty(tcfg, b * g, n, dtype, sharding))
-
-
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, *, cfg: SamplingConfig, num_generations: int):
   """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt).
@@ -174,7 +153,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   rep = lambda x: jnp.repeat(x, g, axis=0)
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   shared = decode.applies(model)  # Gemma 3: `models.decode`, each prompt's cache held once
-  hidden, prompt_kv, cache = _prefill(model, mesh, prompt, prompt_mask, g, n, shared)
+  hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared)
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
   def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
@@ -313,16 +292,6 @@ class Sampler:
     tokens, valid, logps = (to_host(x)[:rows] for x in out)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
     return Completions(tokens, valid, logps, texts), prompt_toks, prompt_mask
-
-
-def prompt_layout(mesh: Mesh, prompts: int, g: int) -> tuple[int, int]:
-  """(copies of each prompt, padding prompts) that `Sampler.sample` runs for prompts x G rows.
-
-  Fewer prompts than chips: each chip prefills a copy of its rows' prompt and samples G / c of
-  the group (4 prompts x 8 on fsdp = 8: 8 copies x 4 rows, no row wasted). Otherwise the
-  prompts are padded to a multiple of 'fsdp' with copies of the first (their rows dropped)."""
-  c = mesh_lib.prompt_copies(mesh, prompts, g)
-  return c, (-prompts * c) % mesh.shape["fsdp"]
 
 
 def to_host(x: jax.Array) -> np.ndarray:

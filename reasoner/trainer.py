@@ -1,8 +1,8 @@
 """The GRPO train step: one pure jitted function over (state, batch), state donated.
 
-    trainer = Trainer(graphdef, base, cfg)
+    trainer = Trainer.for_run(graphdef, base, cfg)
     state = trainer.init_state(lora, key)
-    state, metrics = trainer.train_step(state, batch)
+    state, metrics = trainer.train_step(state, batch)  # trainer.step(base, state, batch)
 
 Only the LoRA parameters are in `state` and receive gradients; the base weights are a separate
 argument that is never donated or updated. With `train.micro_batch` the step accumulates the
@@ -24,8 +24,8 @@ from flax import nnx
 
 from reasoner import grpo, heads
 from reasoner import mesh as mesh_lib
-from reasoner.config import Config
-from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
+from reasoner.config import Config, GRPOConfig, OptimConfig
+from reasoner.models.prompt import completion_hidden
 
 
 @flax.struct.dataclass
@@ -46,48 +46,6 @@ class Batch(NamedTuple):
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
 
 
-def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
-                      mesh=None) -> jax.Array:
-  """Final hidden states that predict each completion token, [B * G, N, D].
-
-  Each prompt goes through the model once (once per chip its group spans, `prompt_copies`) and
-  its KV cache is repeated to its G rows (exact: gradients flow back through the shared cache),
-  so the prompt costs B (B * copies), not B * G, rows. Sliding-window layers get their own
-  mask. Only a prompt as long as the window takes one full forward per row: Tunix's prefill
-  band counts the window from the query's index in the call, then too narrow for the prompt.
-  """
-  b, p = prompt.shape
-  rows, n = completion.shape
-  g = rows // b
-  size = p + n
-  window = getattr(model.config, "sliding_window_size", None)
-  if window is not None and p >= window:
-    tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], axis=1)
-    valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], axis=1)
-    inp, v = tokens[:, :-1], valid[:, :-1]
-    hidden, _ = model.hidden_states(inp, positions_from_mask(v), None, causal_mask(v), mesh)
-    return hidden[:, -n:]
-  c = mesh_lib.prompt_copies(mesh, b, g)
-  prompt, prompt_valid = jnp.repeat(prompt, c, 0), jnp.repeat(prompt_valid, c, 0)
-  cache = init_cache(model.config, b * c, size, model.embedding().dtype)
-  h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid), cache,
-                                        causal_mask(prompt_valid, size), mesh)
-  rep = lambda x: jnp.repeat(x, g // c, axis=0)
-  hidden = rep(h_prompt[:, -1:])  # the last prompt position predicts the first token
-  if n > 1:
-    cache = jax.tree.map(rep, cache)
-    kv_valid = jnp.concatenate([rep(prompt_valid), completion_mask], axis=1)  # [R, size]
-    q_slot = p + jnp.arange(n - 1)  # cache slots of the completion inputs
-    ahead = q_slot[:, None] - jnp.arange(size)[None, :]  # query slot - key slot
-    mask = (ahead >= 0)[None] & kv_valid[:, None, :]
-    local = mask & (ahead < window)[None] if window is not None and size > window else None
-    positions = rep(jnp.sum(prompt_valid, axis=1))[:, None] + jnp.arange(n - 1)[None]
-    h_comp, _ = model.hidden_states(completion[:, :-1], positions, cache, mask, mesh,
-                                    local_mask=local)
-    hidden = jnp.concatenate([hidden, h_comp], axis=1)
-  return hidden
-
-
 def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
                         chunk: int | None = None, mesh=None) -> tuple[jax.Array, jax.Array]:
   """log p and entropy of each completion token, [B * G, N] (the chunked head, `heads`)."""
@@ -96,10 +54,10 @@ def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask
                               softcap=model.logit_softcap)
 
 
-def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  o = cfg.optim
-  total = cfg.train.steps * cfg.grpo.num_iterations
-  decay = optax.cosine_decay_schedule(o.learning_rate, max(1, total - o.warmup_steps),
+def make_optimizer(o: OptimConfig, steps: int) -> tuple[optax.GradientTransformation,
+                                                     optax.Schedule]:
+  """AdamW under global-norm clipping; linear warm-up, then cosine decay over `steps`."""
+  decay = optax.cosine_decay_schedule(o.learning_rate, max(1, steps - o.warmup_steps),
                                       alpha=o.min_lr_ratio)
   if o.warmup_steps:
     warm = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
@@ -112,18 +70,29 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 
 
 class Trainer:
-  """Holds the fixed parts (graph, base weights, optimizer); the jitted functions are pure."""
+  """Holds the fixed parts (graph, base weights, optimizer, loss settings); `step` is the pure
+  jitted train step over (base, state, batch), the one function training runs and the planner
+  compiles (from `abstract_inputs`)."""
 
-  def __init__(self, graphdef, base, cfg: Config):
-    self.graphdef, self.base, self.cfg = graphdef, base, cfg
+  def __init__(self, graphdef, base, grpo: GRPOConfig, optim: OptimConfig, *, schedule_steps: int,
+               head_chunk: int | None = None, micro_batch: int | None = None):
+    self.graphdef, self.base, self.grpo = graphdef, base, grpo
+    self.head_chunk, self.micro_batch = head_chunk, micro_batch
     # The head chunks tokens per chip of this mesh (base may be abstract, as in `plan`).
     self.mesh = getattr(jax.tree.leaves(base)[0].sharding, "mesh", None)
-    self.tx, self.schedule = make_optimizer(cfg)
+    self.tx, self.schedule = make_optimizer(optim, schedule_steps)
     # State is donated on accelerators. XLA:CPU ran the 270M step 1.9x slower with donation
-    # (51 s vs 27 s, 2 cores), so on CPU the old state is simply dropped.
-    donate = (1,) if jax.default_backend() != "cpu" else ()
-    self._step = jax.jit(self._train_step, donate_argnums=donate)
+    # (51 s vs 27 s, 2 cores), so on CPU the old state is simply dropped. The platform is the
+    # mesh's: the planner's compile-only TPU devices donate as a TPU run does.
+    platform = self.mesh.devices.flat[0].platform if self.mesh else jax.default_backend()
+    self.step = jax.jit(self._train_step, donate_argnums=(1,) if platform != "cpu" else ())
     self._logprobs = jax.jit(self._completion_logprobs)
+
+  @classmethod
+  def for_run(cls, graphdef, base, cfg: Config) -> "Trainer":
+    return cls(graphdef, base, cfg.grpo, cfg.optim,
+               schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
+               head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch)
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
     """Step, key and optimizer counters are replicated on the LoRA weights' mesh, so that a
@@ -132,11 +101,34 @@ class Trainer:
                        key=key)
     return mesh_lib.replicate_unplaced(state, jax.tree.leaves(lora)[0].sharding.mesh)
 
-  def model(self, lora):
-    return nnx.merge(self.graphdef, lora, self.base)
-
   def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    return self._step(self.base, state, batch)
+    return self.step(self.base, state, batch)
+
+  def abstract_inputs(self, lora, prompts: int, g: int, prompt_len: int,
+                      new_tokens: int) -> tuple:
+    """(base, state, batch) of `step` as ShapeDtypeStructs placed as a run places them, for
+    `prompts` x `g` rows: `lora` (abstract, sharded) fixes the state's and moments' layout."""
+    mesh, rep = self.mesh, mesh_lib.replicated(self.mesh)
+    lora_def = jax.tree.structure(lora)
+
+    def place(sub):
+      like = lambda a, l: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=l.sharding)
+      if jax.tree.structure(sub) == lora_def:
+        return jax.tree.map(like, sub, lora)
+      return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), sub)
+
+    opt = jax.tree.map(place, jax.eval_shape(self.tx.init, lora),
+                       is_leaf=lambda x: jax.tree.structure(x) == lora_def)
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
+                       opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+    rows = prompts * g
+    s = lambda shape, dtype: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=mesh_lib.batch_placement(mesh, shape))  # as `put_batch` places
+    batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
+                  s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
+                  s((rows,), jnp.float32), s((rows, new_tokens), jnp.float32),
+                  s((rows, new_tokens), jnp.float32))
+    return self.base, state, batch
 
   def logprobs(self, lora, prompt, prompt_valid, completion, completion_mask) -> jax.Array:
     """Forward only: [R, N] log-probs (old policy when mu > 1; zeroed LoRA: the reference)."""
@@ -144,7 +136,7 @@ class Trainer:
 
   def micro_steps(self, prompts: int) -> int:
     """Passes the train step (and the log-prob forward) makes over a batch of `prompts`."""
-    m = self.cfg.train.micro_batch or prompts
+    m = self.micro_batch or prompts
     if prompts % m:
       raise ValueError(f"a batch of {prompts} prompts does not split into micro-batches of "
                        f"train.micro_batch = {m} prompts")
@@ -155,7 +147,7 @@ class Trainer:
       # The weights ride in the carry: the layers' nnx.remat refuses variables closed over
       # from outside the scan ("different trace level").
       return params, completion_logprobs(nnx.merge(self.graphdef, *params), *micro,
-                                         chunk=self.cfg.train.head_chunk, mesh=self.mesh)[0]
+                                         chunk=self.head_chunk, mesh=self.mesh)[0]
 
     b, k = batch[0].shape[0], self.micro_steps(batch[0].shape[0])
     if k == 1:
@@ -167,7 +159,7 @@ class Trainer:
     """(loss, LoRA gradients, log-probs, entropy) of one (micro-)batch; `weights` [R, N] hold
     the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients of
     micro-batches add up to the batch's."""
-    g = self.cfg.grpo
+    g = self.grpo
 
     def loss_fn(model):
       hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
@@ -177,7 +169,7 @@ class Trainer:
                                      epsilon_high=g.epsilon_high, beta=g.beta)
       loss, logp, entropy = heads.fused_token_loss(
           hidden, model.embedding(), batch.completion, weights, loss_terms,
-          (batch.old_logp, batch.ref_logp, adv), chunk=self.cfg.train.head_chunk,
+          (batch.old_logp, batch.ref_logp, adv), chunk=self.head_chunk,
           mesh=self.mesh, softcap=model.logit_softcap)
       return loss, (logp, entropy)
 
@@ -208,7 +200,7 @@ class Trainer:
     return loss, grads, join_micro(logp, b), join_micro(entropy, b)
 
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    g = self.cfg.grpo
+    g = self.grpo
     weights = grpo.token_weights(batch.completion_mask, g.loss_agg)  # the whole batch's
     k = self.micro_steps(batch.prompt.shape[0])
     if k == 1:

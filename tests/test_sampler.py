@@ -140,7 +140,7 @@ def test_sampled_logprobs_equal_trainer_logprobs(setup):
                                     jax.random.PRNGKey(3), cfg, num_generations=4)
   assert comps.tokens.shape == (8, 7)
   b = build_batch(tok, mask, comps, np.zeros(8))
-  trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
+  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
   lp = np.asarray(trainer.logprobs(setup.lora, b["prompt"], b["prompt_valid"], b["completion"],
                                    b["completion_mask"]))
   np.testing.assert_allclose(lp[comps.mask], comps.logprobs[comps.mask], atol=2e-4)
@@ -201,7 +201,7 @@ def test_one_device_and_eight_devices_agree(setup):
 def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
   """2 prompts x G = 4 on 8 devices: 8 prompt copies of one row each (no padded prompts whose
   rows are thrown away); greedy rows equal the full forward's, grouped by prompt."""
-  from reasoner.sampler import prompt_layout
+  from reasoner.models.prompt import prompt_layout
 
   assert setup.mesh.shape["fsdp"] == 8
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)

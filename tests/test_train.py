@@ -9,6 +9,7 @@ from flax import nnx
 from conftest import tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.build import build
+from reasoner.models.prompt import completion_hidden, prompt_copies
 from reasoner.run import rollout
 from reasoner.sampler import Sampler
 from reasoner.trainer import Trainer
@@ -29,7 +30,7 @@ def test_parameters_are_born_sharded_over_eight_devices(setup):
 
 
 def test_step_moves_lora_and_leaves_base_bit_identical(setup):
-  trainer = Trainer(setup.graphdef, setup.base, setup.cfg)
+  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
   sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens)
   base_before = jax.tree.map(np.asarray, setup.base)
   lora_before = jax.tree.map(np.asarray, setup.lora)
@@ -153,7 +154,7 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
     c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=4,
                                                            micro_batch=micro),
                             grpo=dataclasses.replace(cfg.grpo, beta=0.04, loss_agg=agg))
-    trainer = Trainer(setup.graphdef, setup.base, c)
+    trainer = Trainer.for_run(setup.graphdef, setup.base, c)
     k = trainer.micro_steps(4)
     assert k == (4 // micro if micro else 1)
     grads = jax.jit(lambda b, l, x, w: trainer._accumulated(b, l, x, w, k)[1] if k > 1 else
@@ -188,7 +189,7 @@ def test_micro_batch_must_divide_the_batch(setup):
     tiny_config("train.batch_size=4", "train.micro_batch=3")
   cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(setup.cfg.train, batch_size=4,
                                                                  micro_batch=2))
-  trainer = Trainer(setup.graphdef, setup.base, cfg)
+  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
   with pytest.raises(ValueError, match="a batch of 3 prompts does not split into micro-batches "
                                        "of train.micro_batch = 2"):
     trainer.micro_steps(3)
@@ -197,7 +198,6 @@ def test_micro_batch_must_divide_the_batch(setup):
 def test_pinned_residual_stream_changes_no_value(setup):
   """hidden_states(..., mesh): the residual stream held as rows over 'fsdp' between layers;
   the same values as unpinned, and the result comes out split by rows."""
-  from reasoner.trainer import completion_hidden
 
   batch = random_batch(setup, prompts=4, g=4)
   model_args = (setup.graphdef, setup.lora, setup.base)
@@ -215,5 +215,5 @@ def test_prompt_copies_put_each_prompt_on_the_chips_of_its_rows():
 
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(8, 1), mesh_lib.AXES)
   cases = {(4, 8): 2, (8, 8): 1, (16, 4): 1, (1, 8): 8, (2, 4): 4, (3, 8): 8, (3, 4): 1}
-  assert {k: mesh_lib.prompt_copies(mesh, *k) for k in cases} == cases
-  assert mesh_lib.prompt_copies(None, 4, 8) == 1
+  assert {k: prompt_copies(mesh, *k) for k in cases} == cases
+  assert prompt_copies(None, 4, 8) == 1

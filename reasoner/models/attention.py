@@ -5,7 +5,7 @@ array per layer alive from the forward to the backward pass (Gemma3-1B, 4 rows x
 chip: 24 MiB a layer, 0.62 GiB over 26 layers, all of it at the step's peak). `attend` is a
 `jax.custom_vjp` that saves only its inputs (q, k, v and the mask) and forms the probabilities
 again, one layer at a time, in the backward pass (as flash attention does): one [T, S] dot per
-head more (the logits), 1.2% of the step's FLOPs. Its forward is Tunix's, operation for
+head more (the logits), a small share of the step's FLOPs. Its forward is Tunix's, operation for
 operation, activation constraints included.
 
 `attention_block` is Tunix's `Attention.block` for calls of more than one token (training and

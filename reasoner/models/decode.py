@@ -8,8 +8,8 @@ prompt's keys once per group instead of G times, and holds 1 / G of the prompt's
 
 Why slot-major. Tunix keeps [B, S, K, H] and writes each step with a `dynamic_update_slice` at
 `end_index`; on XLA:CPU the per-row attention dots ran below matmul speed and the update was
-fused into each consumer on a copy of the cache (128 rows, 192 slots: one layer's decode call
-124 ms, 102 of them attention). Here a step's keys and values go in as one contiguous [B, K, H]
+fused into each consumer on a copy of the cache (most of a decode call's time went to
+attention). Here a step's keys and values go in as one contiguous [B, K, H]
 slab at their slot, behind an optimization barrier so that the update happens once, in place.
 
 Only the filled part of `Cache.new` is read: the step picks (`lax.switch`) the shortest of a

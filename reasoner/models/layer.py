@@ -1,33 +1,27 @@
 """Gemma 3's decoder layer, Tunix's forward, with what the backward keeps chosen by name.
 
 Left to autodiff, Tunix's layer keeps every intermediate the backward reads: per layer the
-gelu's four [T, 6912] pieces and its product beside the two projections, each RMSNorm's
+gelu's four [T, hidden] pieces and its product beside the two projections, each RMSNorm's
 normalised input, the rotary tables, the residual sums. Here the layer runs under `nnx.remat`
 with a policy that saves only named matmul outputs (`SAVED`); everything elementwise between
 them (norms, rotary embedding, gelu, residual adds) is formed again in the backward. Per remat
 setting:
 
 - none: every projection's output and the attention core's: no projection runs twice (only
-  LoRA's rank-r x @ A products do, r columns each). Against Tunix's none, the [T, 6912]
-  arrays kept fall from seven a layer to two (Gemma3-1B at 32 sequences on v5e-8: 8.19 ->
-  6.17 GiB a chip, +0.9% FLOPs, +1.4% bytes moved; the 270M's train step on the 2-core CPU,
-  where elementwise work weighs more, takes ~5% longer).
-- block: Tunix's arrangement, attention and MLP each under a plain `nnx.remat`. A whole-layer
-  policy keeping only the two output projections' (norms and residual sums formed again)
-  planned 4.68 GiB instead of 4.82 for Gemma3-1B at 32 sequences, but its compiled HLO moved
-  10% more bytes (455.8 -> 500.4 GB a chip; the planner's roofline time 556 -> 611 ms), and
-  keeping the norms' outputs too did not bring that back (524.6 GB): not worth 3%.
+  LoRA's rank-r x @ A products do, r columns each); the [T, hidden] arrays kept fall from
+  seven a layer to two.
+- block: Tunix's arrangement, attention and MLP each under a plain `nnx.remat`. (A whole-layer
+  policy keeping only the output projections saved a little memory but moved more bytes.)
 - decoder: nothing (Tunix's decoder remat): the whole layer runs again.
 
 With block and decoder remat, past the first layer, each layer's backward also finishes its
-LoRA gradients before the layer below starts (`tied_gradients`). Left free, XLA (v5e,
-Gemma3-1B) formed the input cotangents of all 26 layers first and most of their LoRA
-gradients in a second sweep, beside the prompt's backward (`trainer.completion_hidden` calls
-the model twice), holding two [rows, T, 6912] arrays a layer from one sweep to the next.
-Tied, at 32 sequences: block 4.82 -> 3.90, decoder 2.49 -> 1.97 GiB a chip, the same FLOPs.
-With no remat every projection's output is kept anyway: tied, 6.17 -> 6.15 GiB at 32
-sequences, and at 128 in one pass XLA's own rematerialisation then left the step at 16.4 GiB
-(63.6 TFLOP) instead of fitting it into 14.97 (75.4), so none stays untied.
+LoRA gradients before the layer below starts (`tied_gradients`). Left free, XLA formed the
+input cotangents of all layers first and most of their LoRA gradients in a second sweep,
+beside the prompt's backward (`models.prompt.completion_hidden` calls the model twice),
+holding two [rows, T, hidden] arrays a layer from one sweep to the next. With no remat every
+projection's output is kept anyway, and tying there only constrains XLA's own
+rematerialisation, so none stays untied. The figures behind each choice are in docs/LOG.md
+(2026-11-25, "measurements moved from module docstrings").
 
 Only calls of more than one token take this path (training, prefill); decode steps and
 Gemma 2 keep Tunix's code (`reasoner.models.gemma.hidden_states`).
