@@ -97,23 +97,20 @@ def planned(devices, chip) -> list[dict]:
   """(a): one row per remat setting, batch and step: ours in one pass, the dense reference,
   then ours in micro-batches (`train.micro_batch`, the gradient accumulated inside the step)
   of the largest one-pass batch that fit, at each larger batch of the grid."""
-  import numpy as np
-  from jax.sharding import Mesh
-
   from reasoner import plan
+  from reasoner.build import build
 
   rows = []
   for remat in REMATS:
-    mesh = Mesh(np.asarray(devices).reshape(FSDP, 1), ("fsdp", "tp"))
-    model = plan.abstract_model(config(remat, 1), mesh)
+    setup = build(config(remat, FSDP), abstract=True, devices=devices[:FSDP])
     for name, loss in (("ours", None), ("dense", dense_step)):
       for batch in BATCHES:
-        if not _compiled(rows, remat, name, batch, mesh, model, chip, loss=loss)["fits"]:
+        if not _compiled(rows, remat, name, batch, setup, chip, loss=loss)["fits"]:
           break  # memory grows with the batch
     best = _micro_base(rows, remat)
     for batch in (b for b in BATCHES if best and b > best):
       micro = plan.micro_batch_for(batch // G, best // G, G, FSDP)
-      _compiled(rows, remat, "ours_micro", batch, mesh, model, chip, micro=micro)
+      _compiled(rows, remat, "ours_micro", batch, setup, chip, micro=micro)
   return rows
 
 
@@ -128,16 +125,19 @@ def _micro_base(rows, remat) -> int:
   return max(r["batch"] for r in fit if r["tflop"] / r["batch"] <= 1.05 * per_row)
 
 
-def _compiled(rows, remat, name, batch, mesh, model, chip, loss=None, micro=None) -> dict:
+def _compiled(rows, remat, name, batch, setup, chip, loss=None, micro=None) -> dict:
+  """One row: the run's train step (`plan.train_plan`) or the reference `loss` step over the
+  same abstract inputs, state donated as in `Trainer.step`."""
   from reasoner import plan
+  from reasoner.trainer import Trainer
 
   t0 = time.perf_counter()
-  cfg, prompts = config(remat, batch // G), batch // G
+  cfg, prompts = setup.cfg, batch // G
   if loss is None:
-    r = plan.train_plan(cfg, mesh, model, prompts, chip, micro)
-  else:  # the reference step over the same abstract inputs, state donated as in `Trainer.step`
-    trainer = plan.trainer_for(cfg, model, micro)
-    args = trainer.abstract_inputs(model[1], prompts, G, cfg.data.max_prompt_tokens,
+    r = plan.train_plan(setup, prompts, chip, micro)
+  else:
+    trainer = Trainer.for_run(setup.graphdef, setup.base, cfg, micro_batch=micro)
+    args = trainer.abstract_inputs(setup.lora, prompts, G, cfg.data.max_prompt_tokens,
                                    cfg.rollout.max_new_tokens)
     r = plan.compile_plan(jax.jit(loss(trainer), donate_argnums=(1,)), args, {}, "train",
                           prompts, batch, chip)

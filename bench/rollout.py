@@ -70,7 +70,7 @@ class Ours:
   def __init__(self, graphdef, state, tok, mesh):
     from reasoner.sampler import Sampler
 
-    self.sampler = Sampler(graphdef, tok, mesh, PROMPT)
+    self.sampler = Sampler(graphdef, (state,), tok, mesh, PROMPT)
     self.states, self.tok = (state,), tok
 
   def run(self, prompts, g, new, seed, greedy=False):

@@ -1,4 +1,8 @@
-"""Builds what a run needs from its config: mesh, tokenizer, model (LoRA in place), rewards."""
+"""Builds what a run needs from its config: mesh, tokenizer, model (LoRA in place), rewards.
+
+`build(cfg)` loads the weights into their shards; `build(cfg, abstract=True, devices=...)` gives
+the planner the same `Setup` with ShapeDtypeStructs placed exactly as the weights would be
+(nothing allocated, nothing read or downloaded), so that what it compiles is what a run runs."""
 
 from __future__ import annotations
 
@@ -30,15 +34,17 @@ class Setup:
   rewards: Rewards
   train_records: list
   eval_records: list
+  spec: gemma.ModelSpec
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
 
 
-def check(cfg: Config) -> tuple[jax.sharding.Mesh, Rewards, list, list]:
+def check(cfg: Config, devices: list | None = None) -> tuple[jax.sharding.Mesh, Rewards, list,
+                                                              list]:
   """Everything that can fail on bad input, before any weight is read: for Kaggle, the local
   download's layout, or credentials and the network (seconds, nothing downloaded)."""
-  mesh = mesh_lib.make_mesh(cfg.mesh)
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   check_mesh(cfg, mesh.shape["fsdp"])
   rewards = Rewards(cfg.rewards)
   if cfg.model.source == "kaggle":
@@ -49,8 +55,12 @@ def check(cfg: Config) -> tuple[jax.sharding.Mesh, Rewards, list, list]:
   return mesh, rewards, train, held_out
 
 
-def build(cfg: Config) -> Setup:
-  mesh, rewards, train, held_out = check(cfg)
+def build(cfg: Config, abstract: bool = False, devices: list | None = None) -> Setup:
+  """The run's `Setup`; `abstract`: its model as placed ShapeDtypeStructs and no records, on
+  `devices` (default: this host's), e.g. a TPU topology's compile-only devices."""
+  if abstract:
+    return _abstract(cfg, devices)
+  mesh, rewards, train, held_out = check(cfg, devices)
   m = cfg.model
   if m.source == "embedded":
     from reasoner.models import gguf
@@ -61,11 +71,9 @@ def build(cfg: Config) -> Setup:
     spec = gemma.model_spec(m, tokenizer.vocab_size)
     model = gemma.from_host(spec, mesh, ckpt.reader())
   elif m.source == "kaggle":
-    tokenizer, model = _kaggle(cfg, mesh)
+    tokenizer, spec, model = _kaggle(cfg, mesh)
   else:  # random
-    tokenizer = ByteTokenizer() if m.tokenizer == "bytes" else _embedded_tokenizer()
-    spec = gemma.model_spec(m, None if m.name != "tiny" else max(m.tiny_vocab,
-                                                                  tokenizer.vocab_size))
+    tokenizer, spec = spec_without_checkpoint(cfg)
     model = gemma.init_random(spec, mesh, cfg.train.seed)
   d = cfg.data
   train, held_out = (prompts.within_limit(recs, split, d.template, tokenizer, d.max_prompt_tokens,
@@ -73,11 +81,36 @@ def build(cfg: Config) -> Setup:
                      for recs, split in ((train, "training"), (held_out, "held-out")))
   model = lora_lib.apply_lora(model, cfg.lora, mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
-  return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out)
+  return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out, spec)
+
+
+def spec_without_checkpoint(cfg: Config) -> tuple[object, gemma.ModelSpec]:
+  """(tokenizer, model spec) where no checkpoint is read: a random init, and the planner. The
+  byte tokenizer or the embedded Gemma 3 one, which stands in for a Kaggle model's in a plan
+  (its stop tokens only: nothing is read from Kaggle); a tiny model's vocabulary holds it."""
+  m = cfg.model
+  tokenizer = ByteTokenizer() if m.tokenizer == "bytes" else _embedded_tokenizer()
+  vocab = max(m.tiny_vocab, tokenizer.vocab_size) if m.name == "tiny" else None
+  return tokenizer, gemma.model_spec(m, vocab)
+
+
+def _abstract(cfg: Config, devices: list | None) -> Setup:
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  check_mesh(cfg, mesh.shape["fsdp"])
+  tokenizer, spec = spec_without_checkpoint(cfg)
+
+  def create():
+    model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))
+    return lora_lib.with_lora(model, cfg.lora, cfg.train.seed)
+
+  with jax.set_mesh(mesh):
+    graphdef, lora, base = lora_lib.split(nnx.eval_shape(create))
+  return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh),
+               mesh_lib.placed(base, mesh), Rewards(cfg.rewards), [], [], spec)
 
 
 def _kaggle(cfg: Config, mesh: jax.sharding.Mesh):
-  """(tokenizer, model) from a Kaggle Flax checkpoint, restored straight into its shards."""
+  """(tokenizer, spec, model) from a Kaggle Flax checkpoint, restored straight into its shards."""
   from reasoner.models import kaggle
 
   layout = kaggle.fetch(cfg.model)
@@ -85,7 +118,7 @@ def _kaggle(cfg: Config, mesh: jax.sharding.Mesh):
   meta = kaggle.read_metadata(layout.params)
   spec = gemma.model_spec(cfg.model, kaggle.vocab_size(meta))  # the vocabulary: tiny only
   log.info("restoring %s into its shards (mesh %s) ...", layout.params, dict(mesh.shape))
-  return tokenizer, kaggle.restore(spec, mesh, layout.params, meta)
+  return tokenizer, spec, kaggle.restore(spec, mesh, layout.params, meta)
 
 
 def _embedded_tokenizer():

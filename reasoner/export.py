@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from reasoner import mesh as mesh_lib
 from reasoner.checkpoint import held_back, is_write_failure, write_error
 from reasoner.config import Config, ConfigError
 from reasoner.models import gemma, kaggle
@@ -106,7 +107,7 @@ def upstream_tree(family: str, params: dict[tuple, jax.Array]) -> dict[str, dict
 
 def _gating(gate: jax.Array, up: jax.Array, transposed: bool) -> jax.Array:
   stack = jax.jit(lambda g, u: jnp.stack([g.T, u.T] if transposed else [g, u]),
-                  out_shardings=kaggle.gating_sharding(gate.sharding, transposed))
+                  out_shardings=mesh_lib.gating_sharding(gate.sharding, transposed))
   return stack(gate, up)
 
 

@@ -33,23 +33,10 @@ def group_advantages(rewards: jax.Array, group_size: int, scale: bool = True,
   return centred.reshape(-1)
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, how: str) -> jax.Array:
-  """[R, N] per-token values -> scalar, per `loss_agg`."""
-  m = mask.astype(per_token.dtype)
-  if how == "token-mean":
-    return jnp.sum(per_token * m) / jnp.maximum(jnp.sum(m), 1.0)
-  if how == "sequence-mean-token-mean":
-    seq = jnp.sum(per_token * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-    return jnp.mean(seq)
-  if how == "sequence-mean-token-sum-norm":
-    return jnp.sum(per_token * m) / (per_token.shape[0] * per_token.shape[1])
-  raise ValueError(f"unknown loss aggregation {how!r}")
-
-
 def token_weights(mask: jax.Array, how: str) -> jax.Array:
-  """[R, N] weights w with aggregate(x, mask, how) == sum(w * x): every aggregation is linear
-  in the per-token values, which is what lets the fused head take the loss's gradient in its
-  forward pass (`heads.fused_token_loss`)."""
+  """[R, N] weights w such that sum(w * x) is the `loss_agg` aggregation of per-token values x:
+  every aggregation is linear in them, which is what lets the fused head take the loss's
+  gradient in its forward pass (`heads.fused_token_loss`)."""
   m = mask.astype(jnp.float32)
   if how == "token-mean":
     return m / jnp.maximum(jnp.sum(m), 1.0)
@@ -58,6 +45,18 @@ def token_weights(mask: jax.Array, how: str) -> jax.Array:
   if how == "sequence-mean-token-sum-norm":
     return m / (m.shape[0] * m.shape[1])
   raise ValueError(f"unknown loss aggregation {how!r}")
+
+
+def _surrogates(logp, old_logp, advantages, epsilon_low: float, epsilon_high: float):
+  """(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logp - old_logp)."""
+  ratio = jnp.exp(logp - old_logp)
+  return ratio * advantages, jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * advantages
+
+
+def _k3(logp, ref_logp) -> jax.Array:
+  """The k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1."""
+  delta = ref_logp - logp
+  return jnp.exp(delta) - delta - 1.0
 
 
 def token_loss(
@@ -72,28 +71,23 @@ def token_loss(
 ) -> jax.Array:
   """Per-token loss, elementwise: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3,
   with r = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1."""
-  ratio = jnp.exp(logp - old_logp)
-  unclipped = ratio * advantages
-  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * advantages
+  unclipped, clipped = _surrogates(logp, old_logp, advantages, epsilon_low, epsilon_high)
   per_token = -jnp.minimum(unclipped, clipped)
   if beta > 0:
-    delta = ref_logp - logp
-    per_token = per_token + beta * (jnp.exp(delta) - delta - 1.0)
+    per_token = per_token + beta * _k3(logp, ref_logp)
   return per_token
 
 
 def policy_metrics(logp, old_logp, ref_logp, advantages, mask, *, epsilon_low: float,
                    epsilon_high: float, beta: float) -> dict[str, jax.Array]:
   """Token means of where clipping binds and (beta > 0) of the k3 KL; [R, N] inputs."""
-  ratio = jnp.exp(logp - old_logp)
-  adv = advantages[:, None]
-  clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+  unclipped, clipped = _surrogates(logp, old_logp, advantages[:, None], epsilon_low,
+                                   epsilon_high)
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
-  metrics = {"clip_fraction": jnp.sum((clipped < ratio * adv) * m) / n}  # clipping binds
+  metrics = {"clip_fraction": jnp.sum((clipped < unclipped) * m) / n}  # clipping binds
   if beta > 0:
-    delta = ref_logp - logp
-    metrics["kl"] = jnp.sum((jnp.exp(delta) - delta - 1.0) * m) / n
+    metrics["kl"] = jnp.sum(_k3(logp, ref_logp) * m) / n
   return metrics
 
 
@@ -118,4 +112,4 @@ def policy_loss(
   per_token = token_loss(logp, old_logp, ref, jnp.broadcast_to(advantages[:, None], logp.shape),
                          **eps)
   metrics = policy_metrics(logp, old_logp, ref, advantages, mask, **eps)
-  return aggregate(per_token, mask, loss_agg), metrics
+  return jnp.sum(token_weights(mask, loss_agg) * per_token), metrics

@@ -21,8 +21,8 @@ Heads:
   same scan, so each chunk's logits are computed exactly once.
 - `token_logprobs`: log-probs and entropies only (old and reference policies). Forward only
   in the trainer; differentiable through remat (the logits twice) for other uses.
-- `topk`: top-k logits and indices per position, and the log-normaliser, for analysis,
-  distillation targets and sampling.
+- `vocab_topk`: top-k logits and ids of [rows, D] hidden states and the log-normaliser, the
+  sampler's head at each decoding step.
 
 The fused gradient. The loss is L = sum_i w_i f(logp_i, a_i): a per-token function f (the
 GRPO clipped surrogate + k3 KL, `grpo.token_loss`) of the target log-prob, with weights w (the
@@ -47,7 +47,8 @@ A forward-only call (no jax.grad) runs the primal scan: one matmul per chunk, no
 Vocabulary chunks are not used in the two log-prob heads: dE for a vocabulary block needs each
 token's final log-normaliser, so a single pass over vocabulary blocks cannot give it (an
 online-softmax pass could give dh only), and a [chunk, V / tp] block per chip is already
-bounded. `topk` takes an optional `vocab_chunk` (an online log-sum-exp and a running top-k).
+bounded. `vocab_topk` takes an optional `vocab_chunk` (an online log-sum-exp and a running
+top-k).
 
 Precision: logits accumulate in float32 (preferred_element_type); G is cast to the embedding's
 dtype for the two gradient matmuls (float32 accumulation), as the MXU takes bf16 operands;
@@ -64,6 +65,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from reasoner import mesh as mesh_lib
 
 LOGITS_BUDGET = 256 * 2**20  # bytes of one float32 [chunk, V / tp] logits block per chip
 STEP_ROWS = 512  # tokens a step takes from all shards together, at most (when several feed it)
@@ -141,27 +144,14 @@ def from_chunks(y: jax.Array, lay: Layout, b: int, t: int) -> jax.Array:
   return y[:, :b * t // s].reshape(b, t, *rest)
 
 
-def _vocab_axis(lay: Layout, vocab: int) -> str | None:
-  tp = int(lay.mesh.shape.get("tp", 1)) if lay.mesh is not None else 1
-  return "tp" if tp > 1 and vocab % tp == 0 else None
-
-
 def _gathered(embedding: jax.Array, lay: Layout) -> jax.Array:
   """The embedding whole along D on every chip (vocabulary still split over 'tp'), once,
   outside the scan: the logits contract over D, so a D-sharded block would need a reduction."""
-  return lay.constrain(embedding, _vocab_axis(lay, embedding.shape[0]), None)
+  return lay.constrain(embedding, mesh_lib.vocab_axis(lay.mesh, embedding.shape[0]), None)
 
 
 def _vocab_axes(lay: Layout, vocab: int) -> tuple[str, ...]:
-  """The mesh axes that split the vocabulary in the log-prob heads: 'fsdp' (and 'tp') where
-  the tokens are split over 'fsdp' and the vocabulary divides, else 'tp' as `_vocab_axis`."""
-  if lay.mesh is None:
-    return ()
-  tp = int(lay.mesh.shape.get("tp", 1))
-  if vocab % (lay.shards * tp) == 0:
-    return ("fsdp", "tp") if tp > 1 else ("fsdp",)
-  axis = _vocab_axis(lay, vocab)
-  return (axis,) if axis else ()
+  return mesh_lib.vocab_axes(lay.mesh, vocab, lay.shards)
 
 
 def _vocab_parallel(embedding: jax.Array, lay: Layout) -> jax.Array:
@@ -269,15 +259,15 @@ def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
     out = (ch.logp, ch.entropy)
     if want_dh or want_de:
       (c,) = pull(w_c.astype(tok.dtype))  # c_i = w_i f'(logp_i)
-      g = jnp.where(ch.hit, c[:, None], 0.0) - ch.p * c[:, None]  # dL/dz
+      dz = jnp.where(ch.hit, c[:, None], 0.0) - ch.p * c[:, None]  # dL/dz
       if st.softcap is not None:
-        g = g * (1.0 - jnp.square(ch.z / st.softcap))  # through s tanh(u / s)
-      g = g.astype(emb.dtype)
+        dz = dz * (1.0 - jnp.square(ch.z / st.softcap))  # through s tanh(u / s)
+      dz = dz.astype(emb.dtype)
       if want_dh:
-        dh = jnp.einsum("cv,vd->cd", g, emb, preferred_element_type=jnp.float32)
+        dh = jnp.einsum("cv,vd->cd", dz, emb, preferred_element_type=jnp.float32)
         out = out + (st.lay.constrain(dh.astype(h_c.dtype), "fsdp", None),)
       if want_de:
-        de = de + jnp.einsum("cv,cd->vd", g, h_c.astype(emb.dtype),
+        de = de + jnp.einsum("cv,cd->vd", dz, h_c.astype(emb.dtype),
                              preferred_element_type=jnp.float32)
     return (loss, de), out
 
@@ -363,9 +353,9 @@ def exact_topk(z: jax.Array, k: int, group: int = 64) -> tuple[jax.Array, jax.Ar
   if n % group or n // group < 4 * k:
     vals, ids = jax.lax.top_k(z, k)
     return vals, ids.astype(jnp.int32)
-  g = z.reshape(*z.shape[:-1], n // group, group)
-  _, top_groups = jax.lax.top_k(jnp.max(g, axis=-1), k)  # [..., k]
-  cand = jnp.take_along_axis(g, top_groups[..., None], axis=-2).reshape(*z.shape[:-1], -1)
+  grouped = z.reshape(*z.shape[:-1], n // group, group)
+  _, top_groups = jax.lax.top_k(jnp.max(grouped, axis=-1), k)  # [..., k]
+  cand = jnp.take_along_axis(grouped, top_groups[..., None], axis=-2).reshape(*z.shape[:-1], -1)
   vals, pos = jax.lax.top_k(cand, k)
   ids = jnp.take_along_axis(top_groups, pos // group, axis=-1) * group + pos % group
   return vals, ids.astype(jnp.int32)
@@ -375,7 +365,7 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
                softcap: float | None = None):
   """[C, D] -> top-k logits (descending), their ids, log-sum-exp; over vocabulary blocks of
   `vocab_chunk` rows when asked (a running top-k and an online log-sum-exp), so no [C, V]
-  array is formed. Used per chunk by `topk` and per decoding step by the sampler."""
+  array is formed. The sampler's head at each decoding step."""
   v = emb.shape[0]
   if vocab_chunk is None or vocab_chunk >= v:
     z = logits(h.astype(emb.dtype), emb, softcap)
@@ -404,31 +394,3 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
           jnp.full((c,), -jnp.inf, jnp.float32), jnp.zeros((c,), jnp.float32))
   (vals, idx, m, s), _ = jax.lax.scan(body, init, (blocks, jnp.arange(nb, dtype=jnp.int32)))
   return vals, idx, m + jnp.log(s)
-
-
-def topk(
-    hidden: jax.Array,  # [B, T, D]
-    embedding: jax.Array,  # [V, D]
-    k: int,
-    *,
-    chunk: int | None = None,
-    vocab_chunk: int | None = None,  # vocabulary rows per inner step (unsharded vocabulary)
-    mesh: Mesh | None = None,
-    softcap: float | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # values [B, T, k] f32, ids [B, T, k], lse [B, T]
-  """The k largest logits per position (descending) with their ids, and the log-normaliser,
-  so `values - lse[..., None]` are log-probs. Forward only (no gradient is defined for ids).
-
-  Peak memory: a [chunk, V / tp] float32 block per chip, or [chunk, vocab_chunk] with
-  `vocab_chunk` (an online log-sum-exp and a running top-k merged per block).
-  """
-  b, t, _ = hidden.shape
-  lay = _layout(hidden, embedding, mesh, chunk)
-  emb = _gathered(embedding, lay)
-
-  def body(carry, h_c):
-    return carry, vocab_topk(h_c, emb, k, vocab_chunk, softcap)
-
-  _, (vals, idx, lse) = jax.lax.scan(body, None, to_chunks(jax.lax.stop_gradient(hidden), lay))
-  return (from_chunks(vals, lay, b, t), from_chunks(idx, lay, b, t),
-          from_chunks(lse, lay, b, t))

@@ -29,7 +29,8 @@ from reasoner.config import Config, ConfigError
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
 from reasoner.mesh import agreed, largest
-from reasoner.run import checkpoint_tree, eval_logged, grpo_step, make_sampler
+from reasoner.run import checkpoint_tree, eval_logged, grpo_step
+from reasoner.sampler import Sampler
 from reasoner.trainer import Trainer
 
 
@@ -80,7 +81,7 @@ class Run:
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
     self.trainer = Trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
-    self.sampler = make_sampler(self.setup)
+    self.sampler = Sampler.for_run(self.setup)
     self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)
     state = self.trainer.init_state(self.setup.lora, jax.random.PRNGKey(cfg.train.seed))
     # Every process draws the same global batch of questions (a few KB of text); placement

@@ -26,12 +26,19 @@ def with_lora(model: nnx.Module, cfg: LoraConfig, seed: int) -> nnx.Module:
 
 
 def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx.Module:
-  """Adds LoRA A/B (nnx.LoRAParam) to every matching projection; B starts at zero."""
+  """Adds LoRA A/B (nnx.LoRAParam) to every matching projection; B starts at zero.
+
+  The LoRA weights are placed by their partition rules (those of the kernels they adapt), as
+  `build(cfg, abstract=True)` places them for the planner: under Tunix's block or decoder
+  remat qwix creates them inside `nnx.remat`'s trace, where the rules are not applied, and they
+  came out replicated on every chip (with their AdamW moments)."""
   with jax.set_mesh(mesh):
     lora_model = with_lora(model, cfg, seed)
-  n = len(jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam)))
-  if n == 0:
+  lora = nnx.state(lora_model, nnx.LoRAParam)
+  if not jax.tree.leaves(lora):
     raise ValueError(f"lora.module_path {cfg.module_path!r} matched no projection of the model")
+  placed = jax.jit(lambda x: x, out_shardings=nnx.get_named_sharding(lora, mesh))(lora)
+  nnx.update(lora_model, placed)
   return lora_model
 
 

@@ -1,12 +1,19 @@
-"""The one place that knows the device mesh and how arrays map onto it.
+"""The one place that knows the device mesh and how arrays map onto it: every partition rule
+is here, as data the rest of the code asks for.
 
-Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel). Model code only
-names these axes through Tunix's ShardingConfig, built here; batches shard over 'fsdp'.
+Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
+- Parameters: Tunix's default ShardingConfig (`param_rules`); the loaders' stacked gating
+  kernel follows its gate kernel (`gating_sharding`).
+- Batches and activations: rows over 'fsdp' where they divide evenly, else replicated
+  (`batch_placement`, `activation_placement`, `micro_placement`).
+- The KV cache: rows over 'fsdp', KV heads over 'tp' where they divide (`kv_cache_spec`,
+  `slot_major_sharding`).
+- The chunked head: token chunks over 'fsdp', the vocabulary over 'tp' or over both
+  (`vocab_axis`, `vocab_axes`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
@@ -78,6 +85,67 @@ def micro_placement(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
   return NamedSharding(mesh, P(None, *batch_placement(mesh, shape[1:]).spec))
 
 
+def batch_struct(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+  """An abstract batch array placed as `put_batch` places it (the planner's inputs)."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_placement(mesh, shape))
+
+
+def placed(state: Any, mesh: Mesh) -> Any:
+  """An abstract nnx.State as ShapeDtypeStructs carrying the NamedShardings its parameters'
+  rules give them on `mesh`."""
+  from flax import nnx
+
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                      nnx.get_named_sharding(state, mesh))
+
+
+def param_rules(tunix_lib: Any) -> Any:
+  """The parameters' partition rules: Tunix's default ShardingConfig for the model family
+  (`tunix_lib`: Tunix's gemma or gemma3 model module), e.g. embeddings ('tp', 'fsdp'), q/kv
+  einsums (_, 'fsdp', 'tp'), MLP kernels ('fsdp', 'tp'); LoRA weights follow their kernels."""
+  return tunix_lib.ShardingConfig.get_default_sharding()
+
+
+def gating_sharding(kernel: NamedSharding, transposed: bool) -> NamedSharding:
+  """A [D, F] gate / up kernel's sharding carried onto the stacked gating einsum: [2, F, D]
+  (`transposed`, Gemma 3) or [2, D, F] (Gemma 2 2B)."""
+  d_ax, f_ax = (tuple(kernel.spec) + (None, None))[:2]
+  return NamedSharding(kernel.mesh, P(None, f_ax, d_ax) if transposed else P(None, d_ax, f_ax))
+
+
+def kv_cache_spec(num_kv_heads: int, mesh: Mesh) -> P:
+  """KV cache [rows, slots, kv_heads, head_dim]: rows over 'fsdp', heads over 'tp' where they
+  divide (Gemma 3 1B has a single KV head: it is then replicated over 'tp')."""
+  tp = mesh.shape["tp"]
+  return P("fsdp", None, "tp" if tp > 1 and num_kv_heads % tp == 0 else None, None)
+
+
+def slot_major_sharding(num_kv_heads: int, mesh: Mesh) -> NamedSharding:
+  """`kv_cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H],
+  `models.decode`): its prompt part splits prompts over 'fsdp', its new part rows."""
+  rows, slots, *rest = kv_cache_spec(num_kv_heads, mesh)
+  return NamedSharding(mesh, P(slots, rows, *rest))
+
+
+def vocab_axis(mesh: Mesh | None, vocab: int) -> str | None:
+  """The head's embedding when every chip needs it whole along D: the vocabulary over 'tp'
+  where it divides."""
+  tp = int(mesh.shape.get("tp", 1)) if mesh is not None else 1
+  return "tp" if tp > 1 and vocab % tp == 0 else None
+
+
+def vocab_axes(mesh: Mesh | None, vocab: int, shards: int) -> tuple[str, ...]:
+  """The axes that split the vocabulary in the log-prob heads when `shards` token shards feed
+  each step: 'fsdp' (and 'tp') where the vocabulary divides over them all, else `vocab_axis`."""
+  if mesh is None:
+    return ()
+  tp = int(mesh.shape.get("tp", 1))
+  if vocab % (shards * tp) == 0:
+    return ("fsdp", "tp") if tp > 1 else ("fsdp",)
+  axis = vocab_axis(mesh, vocab)
+  return (axis,) if axis else ()
+
+
 def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:
   """Places a host batch (the same on every process) as `batch_placement` says, built from
   each host's copy, never device_put."""
@@ -106,12 +174,6 @@ def array_from_host(shape: tuple[int, ...], sharding: NamedSharding,
   runs an equality check that allgathers the tensor); each device gets just its slice.
   """
   return jax.make_array_from_callback(shape, sharding, read)
-
-
-def shard_fraction(arr: jax.Array) -> float:
-  """Fraction of the array's elements held by one addressable shard (1/N when fully split)."""
-  shard = arr.addressable_shards[0].data
-  return math.prod(shard.shape) / max(1, math.prod(arr.shape))
 
 
 def agreed(value: int) -> int:

@@ -34,8 +34,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
 from reasoner.hlo import hlo_cost
@@ -86,43 +84,6 @@ class StepPlan:
     return max(self.flops / chip.flops, self.bytes / chip.bandwidth)
 
 
-def _vocab(cfg: Config) -> int | None:
-  m = cfg.model  # as `build` sizes the tiny model: the byte or the embedded tokenizer
-  return max(m.tiny_vocab, 259 if m.tokenizer == "bytes" else 262_144) if m.name == "tiny" else None
-
-
-def abstract_model(cfg: Config, mesh: Mesh):
-  """(graphdef, lora, base): the model with LoRA applied, as ShapeDtypeStructs with the
-  NamedShardings `build` would give them. Nothing is allocated."""
-  from flax import nnx
-
-  from reasoner import lora as lora_lib
-  from reasoner.models import gemma
-
-  spec = gemma.model_spec(cfg.model, _vocab(cfg))
-
-  def create():
-    model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))
-    return lora_lib.with_lora(model, cfg.lora, cfg.train.seed)
-
-  with jax.set_mesh(mesh):
-    graphdef, lora, base = lora_lib.split(nnx.eval_shape(create))
-  return graphdef, _placed(lora, mesh), _placed(base, mesh)
-
-
-def _placed(state, mesh: Mesh):
-  from flax import nnx
-
-  shardings = nnx.get_named_sharding(state, mesh)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                      shardings)
-
-
-def _sds(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
-  """A batch array placed as `mesh.put_batch` places it."""
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_placement(mesh, shape))
-
-
 # ------------------------------------------------------------------------------- compiling
 
 def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: int,
@@ -148,62 +109,36 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
   return out
 
 
-def trainer_for(cfg: Config, model, micro: int | None = None):
-  """The run's `Trainer` over the abstract model, in micro-batches of `micro` prompts (None:
-  one pass) whatever `train.micro_batch` says: the planner searches over it."""
+def train_plan(setup, prompts: int, chip: Chip, micro: int | None = None) -> StepPlan:
+  """The run's train step (`Trainer.step`) for `prompts` x G rows of `setup` (abstract), in
+  micro-batches of `micro` prompts (None: one pass) whatever `train.micro_batch` says."""
   from reasoner.trainer import Trainer
 
-  graphdef, _, base = model
-  return Trainer(graphdef, base, cfg.grpo, cfg.optim,
-                 schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
-                 head_chunk=cfg.train.head_chunk, micro_batch=micro)
-
-
-def train_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip,
-               micro: int | None = None) -> StepPlan:
-  """The run's train step (`Trainer.step`) for `prompts` x G rows, in micro-batches of `micro`
-  prompts (None: one pass)."""
-  trainer = trainer_for(cfg, model, micro)
-  g = cfg.rollout.num_generations
-  args = trainer.abstract_inputs(model[1], prompts, g, cfg.data.max_prompt_tokens,
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg, micro_batch=micro)
+  args = trainer.abstract_inputs(setup.lora, prompts, g, cfg.data.max_prompt_tokens,
                                  cfg.rollout.max_new_tokens)
   out = compile_plan(trainer.step, args, {}, "train", prompts, prompts * g, chip)
   out.micro = micro or prompts
   return out
 
 
-def rollout_plan(cfg: Config, mesh: Mesh, model, prompts: int, chip: Chip) -> StepPlan:
-  """The sampler's generate (prefill once per prompt, the decode loop) for `prompts` x G."""
-  from reasoner.models.prompt import prompt_layout
+def rollout_plan(setup, prompts: int, chip: Chip) -> StepPlan:
+  """The run's rollout (`Sampler.generate`: prefill once per prompt, the decode loop) for
+  `prompts` x G rows of `setup` (abstract), with the run's sampling config."""
+  from reasoner.models.cache import kv_cache_bytes
   from reasoner.sampler import Sampler, SamplingConfig
 
-  graphdef, lora, base = model
-  r = cfg.rollout
-  sampler = Sampler(graphdef, None, mesh, cfg.data.max_prompt_tokens)
-  scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                        top_k=r.top_k, top_p=r.top_p, vocab_chunk=r.vocab_chunk,
-                        stop_ids=(1,))
-  p = cfg.data.max_prompt_tokens
-  c, extra = prompt_layout(mesh, prompts, r.num_generations)  # as `Sampler.sample` runs it
-  u = prompts * c + extra
-  args = ((lora, base), _sds((u, p), jnp.int32, mesh), _sds((u, p), jnp.bool_, mesh),
-          jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(mesh)))
-  out = compile_plan(sampler._generate, args,
-                     {"cfg": scfg, "num_generations": r.num_generations // c},
-                     "rollout", prompts, prompts * r.num_generations, chip)
-  out.kv_cache = kv_cache(cfg, mesh, u, r.num_generations // c)
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  sampler = Sampler.for_run(setup)
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
+  args, kwargs = sampler.abstract_inputs((setup.lora, setup.base), prompts, g, scfg)
+  out = compile_plan(sampler.generate, args, kwargs, "rollout", prompts, prompts * g, chip)
+  out.kv_cache = kv_cache_bytes(setup.spec.tunix_config, args[1].shape[0],
+                                kwargs["num_generations"], cfg.data.max_prompt_tokens,
+                                cfg.rollout.max_new_tokens, cfg.model.dtype, setup.mesh,
+                                shared=setup.spec.family == "gemma3")
   return out
-
-
-def kv_cache(cfg: Config, mesh: Mesh, prompts: int, g: int) -> int:
-  """Per-chip KV cache bytes of a rollout of `prompts` x `g` rows, as the sampler lays it out."""
-  from reasoner.models import gemma
-  from reasoner.models.cache import kv_cache_bytes
-
-  spec = gemma.model_spec(cfg.model, _vocab(cfg))
-  return kv_cache_bytes(spec.tunix_config, prompts, g, cfg.data.max_prompt_tokens,
-                        cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
-                        shared=spec.family == "gemma3")
 
 
 # ---------------------------------------------------------------------------- the search
@@ -252,9 +187,9 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   sharded weights, replicated LoRA + AdamW, saved activations by remat setting, the chunked
   head's blocks, the KV cache; FLOPs 2 x weights x tokens (x2 backward, x1 more with remat)."""
   from reasoner import heads
-  from reasoner.models import gemma
+  from reasoner.build import spec_without_checkpoint
 
-  spec = gemma.model_spec(cfg.model, _vocab(cfg))
+  spec = spec_without_checkpoint(cfg)[1]
   t = spec.tunix_config
   d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
   nh, kh = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
@@ -331,14 +266,11 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
-    mesh = Mesh(np.asarray(devices).reshape(fsdp, tp), mesh_lib.AXES)
-    model = abstract_model(cfg, mesh)
-    from reasoner.models import gemma
+    from reasoner.build import build
 
-    # The rollout runs without remat, as `run.make_sampler` runs it (`gemma.without_remat`).
-    gen = model if cfg.model.remat == "none" else (gemma.without_remat(*model), *model[1:])
-    measure = {"train": lambda u, m=None: train_plan(cfg, mesh, model, u, chip, micro=m),
-               "rollout": lambda u: rollout_plan(cfg, mesh, gen, u, chip)}
+    setup = build(cfg, abstract=True, devices=devices)
+    measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
+               "rollout": lambda u: rollout_plan(setup, u, chip)}
   report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method,
                             "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {}}
 

@@ -17,35 +17,16 @@ from reasoner.checkpoint import CheckpointError, Checkpointer
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
 from reasoner.metrics import MetricsWriter
-from reasoner.models import gemma
 from reasoner.sampler import Sampler, SamplingConfig
 from reasoner.trainer import Batch, Trainer, build_batch
 
 log = logging.getLogger("reasoner")
 
 
-def make_sampler(setup: Setup) -> Sampler:
-  graphdef = setup.graphdef
-  if setup.cfg.model.remat != "none":  # nothing to recompute without a gradient
-    graphdef = gemma.without_remat(graphdef, setup.lora, setup.base)
-  return Sampler(graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens,
-                 setup.cfg.rollout.prompt_buckets)
-
-
-def sampling_config(cfg: Config, tokenizer, greedy: bool) -> SamplingConfig:
-  stops = tuple(i for i in (tokenizer.eos_id, tokenizer.end_of_turn_id) if i is not None)
-  r = cfg.rollout
-  return SamplingConfig(
-      max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
-      temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
-      top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
-      stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id)
-
-
 def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple[dict, list]:
   """Greedy decoding on held-out records: mean reward, accuracy and format rate."""
   cfg = setup.cfg
-  scfg = sampling_config(cfg, setup.tokenizer, greedy=True)
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=True)
   totals, correct, fmt, rows = [], [], [], []
   for i in range(0, len(records), cfg.eval.batch_size):
     chunk = records[i:i + cfg.eval.batch_size]
@@ -78,9 +59,9 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
   """Samples G completions per prompt, scores them and builds the training batch."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in records]
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   t0 = time.perf_counter()
-  comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key,
-                                        sampling_config(cfg, setup.tokenizer, greedy=False), g)
+  comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g)
   t_sample = time.perf_counter() - t0
   rep = lambda xs: [x for x in xs for _ in range(g)]
   answers = rep([r["answer"] for r in records])
@@ -166,7 +147,7 @@ def restore_lora(setup: Setup, step: int | None = None):
 def eval_only(cfg: Config) -> dict:
   setup = build(cfg)
   lora, step = restore_lora(setup)
-  sampler = make_sampler(setup)
+  sampler = Sampler.for_run(setup)
   result, rows = evaluate(setup, sampler, lora, setup.eval_records)
   _print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
               cfg.train.num_log_samples)
@@ -176,9 +157,9 @@ def eval_only(cfg: Config) -> dict:
 def sample(cfg: Config, question: str, n: int) -> list[str]:
   setup = build(cfg)
   lora, _ = restore_lora(setup)
-  sampler = make_sampler(setup)
+  sampler = Sampler.for_run(setup)
   prompt = prompts_lib.render(cfg.data.template, question)
-  scfg = sampling_config(cfg, setup.tokenizer, greedy=n == 1)
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=n == 1)
   comps, _, _ = sampler.sample((lora, setup.base), [prompt], jax.random.PRNGKey(cfg.train.seed),
                                scfg, max(n, 1) if n > 1 else 1)
   return comps.texts

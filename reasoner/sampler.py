@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,13 @@ from jax.sharding import Mesh
 
 from reasoner import heads
 from reasoner import mesh as mesh_lib
+from reasoner.config import Config
 from reasoner.errors import DataError
-from reasoner.models import decode
+from reasoner.models import decode, gemma
 from reasoner.models.prompt import prefill, prompt_layout
+
+if TYPE_CHECKING:
+  from reasoner.build import Setup
 
 log = logging.getLogger("reasoner")
 
@@ -47,6 +51,18 @@ class SamplingConfig:
   # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
   # logits at a time instead of [rows, V]. None: one block, the faster on the CPU.
   vocab_chunk: int | None = None
+
+  @classmethod
+  def for_run(cls, cfg: Config, tokenizer, greedy: bool) -> "SamplingConfig":
+    """A run's rollouts (`rollout.*`) or, `greedy`, its evaluation (`eval.max_new_tokens`):
+    stopping at the tokenizer's end of sequence or of turn, or after '</answer>'."""
+    stops = tuple(i for i in (tokenizer.eos_id, tokenizer.end_of_turn_id) if i is not None)
+    r = cfg.rollout
+    return cls(
+        max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
+        temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
+        top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
+        stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id)
 
 
 class Completions(NamedTuple):
@@ -152,7 +168,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   emb = model.embedding()
   rep = lambda x: jnp.repeat(x, g, axis=0)
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
-  shared = decode.applies(model)  # Gemma 3: `models.decode`, each prompt's cache held once
+  shared = decode.shares_prompt(model)  # Gemma 3: `models.decode`, each prompt's KV held once
   hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared)
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
@@ -236,14 +252,18 @@ class Sampler:
   """Tokenises prompts, pads them into buckets and the batch to the data-parallel size.
 
   Each distinct (batch, width, sampling config, G) compiles once; the count is logged, so a
-  run that keeps recompiling shows it.
+  run that keeps recompiling shows it. The graph decodes with remat off whatever the training
+  graph uses (`gemma.without_remat`); `states` (arrays or ShapeDtypeStructs) only give its
+  structure: parameters (LoRA included) come with each call, never copied.
   """
 
-  def __init__(self, graphdef, tokenizer, mesh: Mesh, max_prompt_tokens: int,
+  def __init__(self, graphdef, states: tuple, tokenizer, mesh: Mesh, max_prompt_tokens: int,
                buckets: Sequence[int] | None = None):
-    # The graph is fixed for the session; parameters (LoRA included) come with each call.
-    self._generate = jax.jit(functools.partial(generate, graphdef, mesh),
-                             static_argnames=("cfg", "num_generations"))
+    graphdef = gemma.without_remat(graphdef, *states)
+    # `generate(states, prompt, prompt_mask, key, cfg=, num_generations=)`: the rollout step
+    # the planner compiles from `abstract_inputs`.
+    self.generate = jax.jit(functools.partial(generate, graphdef, mesh),
+                            static_argnames=("cfg", "num_generations"))
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.max_prompt_tokens = max_prompt_tokens
@@ -252,6 +272,23 @@ class Sampler:
       raise ValueError(f"the largest prompt bucket {self.buckets[-1]} is smaller than "
                        f"max_prompt_tokens {max_prompt_tokens}")
     self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
+
+  @classmethod
+  def for_run(cls, setup: "Setup") -> "Sampler":
+    cfg = setup.cfg
+    return cls(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh,
+               cfg.data.max_prompt_tokens, cfg.rollout.prompt_buckets)
+
+  def abstract_inputs(self, states: tuple, prompts: int, g: int,
+                      cfg: SamplingConfig) -> tuple[tuple, dict]:
+    """(args, kwargs) of `generate` as `sample` calls it for `prompts` x `g` rows of the widest
+    prompts, as placed ShapeDtypeStructs: `states` abstract and sharded."""
+    c, extra = prompt_layout(self.mesh, prompts, g)
+    shape = (prompts * c + extra, bucket(self.max_prompt_tokens, self.buckets))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(self.mesh))
+    return ((tuple(states), mesh_lib.batch_struct(self.mesh, shape, jnp.int32),
+             mesh_lib.batch_struct(self.mesh, shape, jnp.bool_), key),
+            {"cfg": cfg, "num_generations": g // c})
 
   def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
     out = []
@@ -286,7 +323,7 @@ class Sampler:
       log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
                "(%d sampler shapes so far)", shape[0], width, g, cfg.max_new_tokens,
                len(self.compiled_shapes))
-    out = self._generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
+    out = self.generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
     tokens, valid, logps = (to_host(x)[:rows] for x in out)

@@ -77,6 +77,7 @@ class Trainer:
   def __init__(self, graphdef, base, grpo: GRPOConfig, optim: OptimConfig, *, schedule_steps: int,
                head_chunk: int | None = None, micro_batch: int | None = None):
     self.graphdef, self.base, self.grpo = graphdef, base, grpo
+    self.clip = dict(epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high, beta=grpo.beta)
     self.head_chunk, self.micro_batch = head_chunk, micro_batch
     # The head chunks tokens per chip of this mesh (base may be abstract, as in `plan`).
     self.mesh = getattr(jax.tree.leaves(base)[0].sharding, "mesh", None)
@@ -89,10 +90,11 @@ class Trainer:
     self._logprobs = jax.jit(self._completion_logprobs)
 
   @classmethod
-  def for_run(cls, graphdef, base, cfg: Config) -> "Trainer":
-    return cls(graphdef, base, cfg.grpo, cfg.optim,
-               schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
-               head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch)
+  def for_run(cls, graphdef, base, cfg: Config, **overrides) -> "Trainer":
+    """The run's trainer; `overrides` replace keyword settings (the planner's `micro_batch`)."""
+    kw = dict(schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
+              head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch)
+    return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
     """Step, key and optimizer counters are replicated on the LoRA weights' mesh, so that a
@@ -122,8 +124,7 @@ class Trainer:
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
                        opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
     rows = prompts * g
-    s = lambda shape, dtype: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=mesh_lib.batch_placement(mesh, shape))  # as `put_batch` places
+    s = lambda shape, dtype: mesh_lib.batch_struct(mesh, shape, dtype)
     batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
                   s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
                   s((rows,), jnp.float32), s((rows, new_tokens), jnp.float32),
@@ -144,31 +145,22 @@ class Trainer:
 
   def _completion_logprobs(self, base, lora, *batch):
     def fwd(params, micro):
-      # The weights ride in the carry: the layers' nnx.remat refuses variables closed over
-      # from outside the scan ("different trace level").
-      return params, completion_logprobs(nnx.merge(self.graphdef, *params), *micro,
-                                         chunk=self.head_chunk, mesh=self.mesh)[0]
+      return (), completion_logprobs(nnx.merge(self.graphdef, *params), *micro,
+                                     chunk=self.head_chunk, mesh=self.mesh)[0]
 
-    b, k = batch[0].shape[0], self.micro_steps(batch[0].shape[0])
-    if k == 1:
-      return fwd((lora, base), batch)[1]
-    _, logp = jax.lax.scan(fwd, (lora, base), split_micro(tuple(batch), b, k, self.mesh))
-    return join_micro(logp, b)
+    return self._in_micro_batches(fwd, (lora, base), tuple(batch), ())[1]
 
   def _grads(self, base, lora, batch: Batch, weights: jax.Array):
-    """(loss, LoRA gradients, log-probs, entropy) of one (micro-)batch; `weights` [R, N] hold
-    the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients of
-    micro-batches add up to the batch's."""
-    g = self.grpo
-
+    """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
+    hold the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients
+    of micro-batches add up to the batch's."""
     def loss_fn(model):
       hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
                                  batch.completion_mask, self.mesh)
       adv = jnp.broadcast_to(batch.advantages[:, None], batch.old_logp.shape)
-      loss_terms = functools.partial(grpo.token_loss, epsilon_low=g.epsilon_low,
-                                     epsilon_high=g.epsilon_high, beta=g.beta)
       loss, logp, entropy = heads.fused_token_loss(
-          hidden, model.embedding(), batch.completion, weights, loss_terms,
+          hidden, model.embedding(), batch.completion, weights,
+          functools.partial(grpo.token_loss, **self.clip),
           (batch.old_logp, batch.ref_logp, adv), chunk=self.head_chunk,
           mesh=self.mesh, softcap=model.logit_softcap)
       return loss, (logp, entropy)
@@ -177,36 +169,38 @@ class Trainer:
     # cannot update a module merged inside a plain jax transform (TraceContextError).
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
                                  has_aux=True)
-    (loss, (logp, entropy)), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
-    return loss, grads, logp, entropy
+    (loss, rows), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
+    return (loss, grads), rows
 
-  def _accumulated(self, base, lora, batch: Batch, weights: jax.Array, k: int):
-    """`_grads` of the whole batch as the sum over k micro-batches, one `lax.scan` pass each
-    (float32 accumulators); memory is one micro-batch's."""
-    b = batch.prompt.shape[0]
-    micro = split_micro((batch, weights), b, k, self.mesh)
+  def _in_micro_batches(self, fn, params, tree, totals_like):
+    """`fn(params, micro) -> (totals, rows)` over the batch `tree`: in one pass, or over the
+    micro-batches of `micro_batch` whole prompt groups, one `lax.scan` step each, with totals
+    summed in float32 (then cast to `totals_like`'s dtypes) and rows joined back in order;
+    memory is one micro-batch's."""
+    b = jax.tree.leaves(tree)[0].shape[0]  # prompts: the first array is the prompt
+    k = self.micro_steps(b)
+    if k == 1:
+      return fn(params, tree)
 
-    def body(carry, xs):
-      # The weights ride in the carry, unchanged: nnx.value_and_grad refuses variables
-      # closed over from outside the scan ("different trace level").
+    def body(carry, micro):
+      # The weights ride in the carry, unchanged: the layers' nnx.remat and nnx.value_and_grad
+      # refuse variables closed over from outside the scan ("different trace level").
       acc, params = carry
-      loss, grads, logp, entropy = self._grads(*params, *xs)
-      acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (loss, grads))
-      return (acc, params), (logp, entropy)
+      totals, rows = fn(params, micro)
+      acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, totals)
+      return (acc, params), rows
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (jnp.zeros(()), lora))
-    ((loss, grads), _), (logp, entropy) = jax.lax.scan(body, (zeros, (base, lora)), micro)
-    grads = jax.tree.map(lambda x, p: x.astype(p.dtype), grads, lora)
-    return loss, grads, join_micro(logp, b), join_micro(entropy, b)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), totals_like)
+    (totals, _), rows = jax.lax.scan(body, (zeros, params), split_micro(tree, b, k, self.mesh))
+    totals = jax.tree.map(lambda x, like: x.astype(like.dtype), totals, totals_like)
+    return totals, jax.tree.map(lambda x: join_micro(x, b), rows)
 
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    g = self.grpo
-    weights = grpo.token_weights(batch.completion_mask, g.loss_agg)  # the whole batch's
-    k = self.micro_steps(batch.prompt.shape[0])
-    if k == 1:
-      loss, grads, logp, entropy = self._grads(base, state.lora, batch, weights)
-    else:
-      loss, grads, logp, entropy = self._accumulated(base, state.lora, batch, weights, k)
+    weights = grpo.token_weights(batch.completion_mask, self.grpo.loss_agg)  # the whole batch's
+    like = (jnp.zeros((), jnp.float32), state.lora)
+    (loss, grads), (logp, entropy) = self._in_micro_batches(
+        lambda params, micro: self._grads(*params, *micro), (base, state.lora),
+        (batch, weights), like)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     m = batch.completion_mask.astype(jnp.float32)
@@ -214,8 +208,7 @@ class Trainer:
                "learning_rate": self.schedule(state.step),
                "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
                **grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
-                                     batch.completion_mask, epsilon_low=g.epsilon_low,
-                                     epsilon_high=g.epsilon_high, beta=g.beta)}
+                                     batch.completion_mask, **self.clip)}
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), metrics
 
 

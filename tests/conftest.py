@@ -21,3 +21,11 @@ def tiny_config(*overrides, **kw):
   from reasoner.config import load_config
 
   return load_config(ROOT / "configs" / "tiny.yaml", list(overrides))
+
+
+def shard_fraction(arr) -> float:
+  """Fraction of the array's elements held by one addressable shard (1/N when fully split)."""
+  import math
+
+  shard = arr.addressable_shards[0].data
+  return math.prod(shard.shape) / max(1, math.prod(arr.shape))

@@ -189,8 +189,9 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
   lp2, _ = jax.jit(lambda h, e: heads.token_logprobs(h, e, ys, chunk=4, mesh=mesh,
                                                      softcap=30.0))(hs, es)
   np.testing.assert_allclose(lp2, lp_d, rtol=1e-5, atol=1e-5)
-  vals, ids, _ = jax.jit(lambda h, e: heads.topk(h, e, 3, chunk=4, mesh=mesh))(hs, es)
-  vals_d, ids_d = jax.lax.top_k(heads.logits(h, e), 3)
+  flat = lambda x: x.reshape(-1, x.shape[-1])  # the sampler's [rows, D]
+  vals, ids, _ = jax.jit(lambda h, e: heads.vocab_topk(flat(h), e, 3, None))(hs, es)
+  vals_d, ids_d = jax.lax.top_k(heads.logits(flat(h), e), 3)
   np.testing.assert_allclose(vals, vals_d, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(ids, ids_d)
 
@@ -198,7 +199,8 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
 @pytest.mark.parametrize("vocab_chunk,softcap", [(None, None), (16, None), (40, 30.0)])
 def test_topk_matches_dense(vocab_chunk, softcap):
   h, e, *_ = problem(3, 7, v=97)
-  vals, ids, lse = heads.topk(h, e, 5, chunk=4, vocab_chunk=vocab_chunk, softcap=softcap)
+  h = h.reshape(-1, h.shape[-1])  # the sampler's [rows, D]
+  vals, ids, lse = heads.vocab_topk(h, e, 5, vocab_chunk, softcap)
   z = heads.logits(h, e, softcap)
   vals_d, ids_d = jax.lax.top_k(z, 5)
   np.testing.assert_allclose(vals, vals_d, rtol=1e-6, atol=1e-6)

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, shard_fraction, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, MeshConfig, ModelConfig
 from reasoner.models import gemma, kaggle
@@ -160,7 +160,7 @@ def test_restore_matches_tunix_mapping_and_holds_only_its_shards(download, caplo
       assert shard.data.shape == arr.sharding.shard_shape(arr.shape), name
       np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=name)
     if "fsdp" in jax.tree.leaves(tuple(arr.sharding.spec)):
-      assert mesh_lib.shard_fraction(arr) == pytest.approx(1 / 8), name
+      assert shard_fraction(arr) == pytest.approx(1 / 8), name
       split += 1
   assert split == 1 + 6 * TINY["layers"]  # embedding, q, kv, out, gate, up, down per layer
 
@@ -200,7 +200,7 @@ def test_gemma2_layout_matches_tunix_linen_mapping(tmp_path):
       assign_val_fn=gemma_lib._assign_linen_params_to_nnx_state)
   np.testing.assert_allclose(logits(model, TOKENS), logits(ref, TOKENS), rtol=1e-5, atol=1e-5)
   gate = model.layers[1].mlp.gate_proj.kernel.get_value()
-  assert mesh_lib.shard_fraction(gate) == pytest.approx(1 / 8)
+  assert shard_fraction(gate) == pytest.approx(1 / 8)
 
 
 def test_tokenizer_from_the_download_has_the_common_interface(download):
@@ -235,7 +235,7 @@ def test_build_through_a_kagglehub_stand_in(download, monkeypatch, caplog):
   setup = build(tiny_config("model.source=kaggle", f"model.path={root}", "model.tokenizer=auto",
                             "lora.rank=2"))
   emb = setup.base["embedder"]["input_embedding"].get_value()
-  assert mesh_lib.shard_fraction(emb) == pytest.approx(1 / 8)
+  assert shard_fraction(emb) == pytest.approx(1 / 8)
   np.testing.assert_array_equal(
       np.asarray(emb), np.asarray(tree["transformer/embedder"]["input_embedding"], np.float32))
   assert setup.tokenizer.end_of_turn_id == 5

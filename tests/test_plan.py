@@ -172,3 +172,21 @@ def test_micro_batch_for_prefers_whole_rows_per_chip():
   assert plan.micro_batch_for(256, 40, 8, 8) == 32  # the largest divisor up to the fit
   assert plan.micro_batch_for(6, 5, 4, 8) == 2  # not 3: 3 x 4 rows do not split over 8 chips
   assert plan.micro_batch_for(3, 3, 1, 8) == 3  # no divisor splits: the largest one
+
+
+def test_the_abstract_build_is_the_real_build_without_arrays():
+  """`build(cfg, abstract=True)`, what the planner compiles on: the same graph, and every LoRA
+  and base array with the shape, dtype and sharding the real build gives it; no records read."""
+  from reasoner.build import build
+
+  cfg = tiny_config("model.remat=block", "lora.rank=4")
+  real, abstract = build(cfg), build(cfg, abstract=True)
+  assert repr(abstract.graphdef) == repr(real.graphdef)
+  assert abstract.spec == real.spec and abstract.eval_records == []
+  for part in ("lora", "base"):
+    got, want = getattr(abstract, part), getattr(real, part)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert isinstance(a, jax.ShapeDtypeStruct)
+      assert (a.shape, a.dtype, a.sharding) == (w.shape, w.dtype, w.sharding)
+  assert abstract.tokenizer.vocab_size == real.tokenizer.vocab_size

@@ -13,8 +13,7 @@ from reasoner import heads, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.models import decode
 from reasoner.config import MeshConfig
-from reasoner.models.cache import (causal_mask, init_cache, positions_from_mask,
-                                   slot_major_sharding)
+from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
 from reasoner.sampler import Sampler, SamplingConfig, next_token, sample_token
 from reasoner.trainer import Trainer, build_batch
 
@@ -44,7 +43,7 @@ def full_forward_greedy(setup, ids, n):
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
   cfg = SamplingConfig(max_new_tokens=6, temperature=0.0, vocab_chunk=100)  # 4 blocks
   prompts = ["Question: 1 + 2?", "Q: 7?"]  # different lengths: left padding is exercised
   comps, _, _ = sampler.sample((setup.lora, setup.base), prompts, jax.random.PRNGKey(0), cfg)
@@ -71,9 +70,9 @@ def test_gemma2_greedy_decode_on_the_repeated_cache(setup):
       attention_types=gemma_lib.ModelConfig.gemma2_2b().attention_types[:2])
   spec = gemma.ModelSpec(family="gemma2", tunix_config=tcfg, cls=gemma2_cls, dtype=jnp.float32)
   model = gemma.init_random(spec, setup.mesh, 0)
-  assert not decode.applies(model)
+  assert not decode.shares_prompt(model)
   graphdef, state = nnx.split(model)
-  sampler = Sampler(graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(graphdef, (state,), setup.tokenizer, setup.mesh, 64)
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
   prompts = ["Question: 1 + 2?", "Q: 7?"]
   comps, _, _ = sampler.sample((state,), prompts, jax.random.PRNGKey(0), cfg, num_generations=2)
@@ -94,7 +93,7 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   first span of the new-token cache to the second, after a left-padded prefill longer than
   the tiny model's 16-slot sliding window, so the window and the padding both mask keys."""
   model = setup.model()
-  assert decode.applies(model) and model.layers[0].attn.sliding_window_size == 16
+  assert decode.shares_prompt(model) and model.layers[0].attn.sliding_window_size == 16
   b, g, p, n = 8, 2, 24, 8
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(3, 200, (b, p)), jnp.int32)
@@ -106,7 +105,7 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   cache = jax.tree.map(rep, cache)
   _, prefill = model.hidden_states(prompt, positions_from_mask(valid),
                                    init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
-  slots = slot_major_sharding(model.config, setup.mesh)
+  slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
   ours = decode.Cache(decode.from_prefill(prefill, slots),
                       decode.empty(model.config, b * g, n, jnp.float32, slots))
   assert decode.spans(n) == (2, 4, 6, 8)
@@ -127,14 +126,14 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
 
 
 def test_batch_of_one_is_not_truncated(setup):
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
   comps, _, _ = sampler.sample((setup.lora, setup.base), ["Q: 7?"], jax.random.PRNGKey(0), cfg)
   assert comps.tokens.shape == (1, 5) and comps.mask.sum() == 5
 
 
 def test_sampled_logprobs_equal_trainer_logprobs(setup):
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
   cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_k=20, vocab_chunk=100)
   comps, tok, mask = sampler.sample((setup.lora, setup.base), ["Q: 3 + 4?", "Q: 9?"],
                                     jax.random.PRNGKey(3), cfg, num_generations=4)
@@ -171,7 +170,7 @@ def test_next_token_equals_dense(cfg, softcap, vocab, vocab_chunk):
 
 
 def test_stop_token_and_stop_sequence_end_rows_early(setup):
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
   free = SamplingConfig(max_new_tokens=6, temperature=0.0)
   comps, _, _ = sampler.sample((setup.lora, setup.base), ["Q: 5?"], jax.random.PRNGKey(0), free)
   toks = comps.tokens[0].tolist()
@@ -192,7 +191,7 @@ def test_one_device_and_eight_devices_agree(setup):
     mesh = mesh_lib.make_mesh(MeshConfig(), devices)
     states = jax.device_put((setup.lora, setup.base),
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    sampler = Sampler(setup.graphdef, setup.tokenizer, mesh, 64)
+    sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, mesh, 64)
     c, _, _ = sampler.sample(states, ["Q: 1?", "Q: 22?", "Q: 3?"], jax.random.PRNGKey(0), cfg)
     outs.append(c.tokens)
   np.testing.assert_array_equal(outs[0], outs[1])
@@ -204,7 +203,7 @@ def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
   from reasoner.models.prompt import prompt_layout
 
   assert setup.mesh.shape["fsdp"] == 8
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 64)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
   cfg = SamplingConfig(max_new_tokens=4, temperature=0.0)
   prompts = ["Question: 1 + 2?", "Q: 7?"]
   comps, toks, _ = sampler.sample((setup.lora, setup.base), prompts, jax.random.PRNGKey(0), cfg,
@@ -227,7 +226,7 @@ def test_prompt_buckets_bound_the_compiles(setup):
   assert bucket(65, (64, 128)) == 128 and bucket(64, (64, 128)) == 64
   with pytest.raises(ValueError, match="longer than the largest bucket 128"):
     bucket(129, (64, 128))
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, 640)
+  sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 640)
   cfg = SamplingConfig(max_new_tokens=2, temperature=0.0)
   for prompt in ["Q: 1?", "Question: 12 + 30?", "x" * 100]:  # widths 64, 64, 128
     sampler.sample((setup.lora, setup.base), [prompt], jax.random.PRNGKey(0), cfg)
@@ -240,7 +239,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   equal `kv_cache_bytes`, and each live shard holds exactly its block."""
   import types
 
-  from reasoner.models.cache import init_cache, kv_cache_bytes, shard_cache, slot_major_sharding
+  from reasoner.models.cache import init_cache, kv_cache_bytes, shard_cache
 
   spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
   mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))
@@ -258,7 +257,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   k = cache["layer_0"]["k"].addressable_shards[0].data
   assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)
   # Gemma 3's decode layout (`models.decode.Cache`): each prompt's slots once, rows' new slots
-  slots = slot_major_sharding(spec, mesh)
+  slots = mesh_lib.slot_major_sharding(spec.num_kv_heads, mesh)
   make = jax.jit(lambda: decode.Cache(
       decode.from_prefill(shard_cache(init_cache(spec, prompts, p, jnp.bfloat16), spec, mesh),
                           slots), decode.empty(spec, rows, n, jnp.bfloat16, slots)))
@@ -275,17 +274,15 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
 
 
 def test_sampler_runs_with_block_and_decoder_remat():
-  """Both shipped TPU presets train with block remat: the sampler (`run.make_sampler`) decodes
+  """Both shipped TPU presets train with block remat: the sampler (`Sampler.for_run`) decodes
   them with Tunix's remat off (its `nnx.remat` fails inside the decode loop), token for token
   and log-prob for log-prob as the no-remat model."""
-  from reasoner.run import make_sampler
-
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
   out = {}
   for remat in ("none", "block", "decoder"):
     s = _nonzero_lora(f"model.remat={remat}")
-    comps, logp, _ = make_sampler(s).sample((s.lora, s.base), ["Question: 1 + 2?", "Q: 7?"],
-                                            jax.random.PRNGKey(0), cfg)
+    comps, logp, _ = Sampler.for_run(s).sample((s.lora, s.base), ["Question: 1 + 2?", "Q: 7?"],
+                                               jax.random.PRNGKey(0), cfg)
     out[remat] = comps.tokens, logp
   for remat in ("block", "decoder"):
     np.testing.assert_array_equal(out[remat][0], out["none"][0])
@@ -297,11 +294,10 @@ def test_building_the_sampler_leaves_the_train_steps_remat():
   still recomputes, so `plan` (which builds the sampler's graphdef first, as a run does) counts
   more train FLOPs for block and decoder remat than for none."""
   from reasoner import plan
-  from reasoner.run import make_sampler
 
   s = _nonzero_lora("model.remat=block")
   before = repr(s.graphdef)
-  make_sampler(s)
+  Sampler.for_run(s)
   assert repr(s.graphdef) == before and "BLOCK" in before
   flops = {}
   for remat in ("none", "block", "decoder"):

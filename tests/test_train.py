@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import shard_fraction, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.build import build
 from reasoner.models.prompt import completion_hidden, prompt_copies
@@ -23,15 +23,15 @@ def setup():
 def test_parameters_are_born_sharded_over_eight_devices(setup):
   assert setup.mesh.devices.size == 8
   emb = setup.base["embedder"]["input_embedding"].get_value()
-  assert mesh_lib.shard_fraction(emb) == pytest.approx(1 / 8)
+  assert shard_fraction(emb) == pytest.approx(1 / 8)
   kernel = setup.base["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
-  assert mesh_lib.shard_fraction(kernel) == pytest.approx(1 / 8)
+  assert shard_fraction(kernel) == pytest.approx(1 / 8)
   assert len(jax.tree.leaves(setup.lora)) > 0
 
 
 def test_step_moves_lora_and_leaves_base_bit_identical(setup):
   trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
-  sampler = Sampler(setup.graphdef, setup.tokenizer, setup.mesh, setup.cfg.data.max_prompt_tokens)
+  sampler = Sampler.for_run(setup)
   base_before = jax.tree.map(np.asarray, setup.base)
   lora_before = jax.tree.map(np.asarray, setup.lora)
   state = trainer.init_state(jax.tree.map(jnp.copy, setup.lora), jax.random.PRNGKey(0))
@@ -157,8 +157,9 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
     trainer = Trainer.for_run(setup.graphdef, setup.base, c)
     k = trainer.micro_steps(4)
     assert k == (4 // micro if micro else 1)
-    grads = jax.jit(lambda b, l, x, w: trainer._accumulated(b, l, x, w, k)[1] if k > 1 else
-                    trainer._grads(b, l, x, w)[1])(setup.base, lora, batch, weights)
+    grads = jax.jit(lambda b, l, x, w: trainer._in_micro_batches(  # ((loss, grads), rows)
+        lambda p, m: trainer._grads(*p, *m), (b, l), (x, w), (jnp.zeros(()), l))[0][1])(
+            setup.base, lora, batch, weights)
     logp = trainer.logprobs(lora, *batch[:4])
     state = trainer.init_state(jax.tree.map(jnp.copy, lora), jax.random.PRNGKey(0))
     state, m = trainer.train_step(state, batch)
@@ -205,7 +206,7 @@ def test_pinned_residual_stream_changes_no_value(setup):
   pinned, free = f(setup.mesh)(*model_args), f(None)(*model_args)
   np.testing.assert_allclose(np.asarray(pinned), np.asarray(free), rtol=1e-5, atol=1e-5)
   assert pinned.sharding.spec[0] == "fsdp"
-  assert mesh_lib.shard_fraction(pinned) == pytest.approx(1 / 8)
+  assert shard_fraction(pinned) == pytest.approx(1 / 8)
 
 
 

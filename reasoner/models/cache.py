@@ -1,7 +1,8 @@
 """The KV cache of Tunix's Gemma layers as the sampler and the train step use it: its arrays,
-masks and positions over left-padded rows, its sharding (rows over 'fsdp', KV heads over 'tp'
-where they divide) and its bytes a chip. Gemma 3's shared-prompt, slot-major decode cache is
-`models.decode.Cache`; its sharding is `slot_major_sharding` here."""
+masks and positions over left-padded rows, its placement and its bytes a chip. Gemma 3's
+shared-prompt, slot-major decode cache is `models.decode.Cache`. Partition rules (rows over
+'fsdp', KV heads over 'tp' where they divide) are `mesh.kv_cache_spec` and
+`mesh.slot_major_sharding`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from reasoner.mesh import kv_cache_spec
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -33,13 +36,6 @@ def init_cache(spec_cfg: Any, batch: int, size: int, dtype) -> dict:
           for i in range(spec_cfg.num_layers)}
 
 
-def cache_spec(spec_cfg: Any, mesh: Mesh) -> P:
-  """KV cache [rows, slots, kv_heads, head_dim]: rows over 'fsdp', heads over 'tp' where they
-  divide (Gemma 3 1B has a single KV head: it is then replicated over 'tp')."""
-  tp = mesh.shape["tp"]
-  return P("fsdp", None, "tp" if tp > 1 and spec_cfg.num_kv_heads % tp == 0 else None, None)
-
-
 def kv_cache_bytes(spec_cfg: Any, prompts: int, g: int, prompt_len: int, new_tokens: int,
                    dtype, mesh: Mesh, shared: bool) -> int:
   """Bytes of KV cache one chip holds for a rollout of `prompts` x `g` rows (`prompts` a
@@ -47,7 +43,7 @@ def kv_cache_bytes(spec_cfg: Any, prompts: int, g: int, prompt_len: int, new_tok
   prompt's slots once and each row's new slots; otherwise (Gemma 2, Tunix's cache) each row's
   prompt and new slots and an int32 end_index. The planner's compiled figure must agree."""
   heads_per_chip = spec_cfg.num_kv_heads
-  if cache_spec(spec_cfg, mesh)[2] == "tp":
+  if kv_cache_spec(spec_cfg.num_kv_heads, mesh)[2] == "tp":
     heads_per_chip //= mesh.shape["tp"]
   per_slot = 2 * heads_per_chip * spec_cfg.head_dim * jnp.dtype(dtype).itemsize
   b = -(-prompts // mesh.shape["fsdp"])  # prompts per chip
@@ -56,16 +52,9 @@ def kv_cache_bytes(spec_cfg: Any, prompts: int, g: int, prompt_len: int, new_tok
   return spec_cfg.num_layers * b * g * ((prompt_len + new_tokens) * per_slot + 4)
 
 
-def slot_major_sharding(spec_cfg: Any, mesh: Mesh) -> NamedSharding:
-  """`cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H], `models.decode`):
-  its prompt part splits prompts over 'fsdp', its new part rows (grouped by prompt)."""
-  rows, slots, *rest = cache_spec(spec_cfg, mesh)
-  return NamedSharding(mesh, P(slots, rows, *rest))
-
-
 def shard_cache(cache: dict, spec_cfg: Any, mesh: Mesh) -> dict:
-  kv = NamedSharding(mesh, cache_spec(spec_cfg, mesh))
-  rows = NamedSharding(mesh, P("fsdp"))
+  kv = NamedSharding(mesh, kv_cache_spec(spec_cfg.num_kv_heads, mesh))
+  rows = NamedSharding(mesh, P(kv_cache_spec(spec_cfg.num_kv_heads, mesh)[0]))
   return {name: {"k": jax.lax.with_sharding_constraint(c["k"], kv),
                  "v": jax.lax.with_sharding_constraint(c["v"], kv),
                  "end_index": jax.lax.with_sharding_constraint(c["end_index"], rows)}

@@ -38,8 +38,9 @@ class Cache(NamedTuple):
   new: dict[str, KV]  # [N, prompts * G, K, H] per layer: slot j = each row's j-th new token
 
 
-def applies(model) -> bool:
-  """Gemma 3 models (every layer Tunix's Gemma 3 `DecoderLayer`)."""
+def shares_prompt(model) -> bool:
+  """Whether the model decodes with a `Cache` holding each prompt once: Gemma 3 models (every
+  layer Tunix's Gemma 3 `DecoderLayer`)."""
   from tunix.models.gemma3 import model as gemma3_lib
 
   return all(isinstance(layer, gemma3_lib.DecoderLayer) for layer in model.layers)

@@ -46,8 +46,9 @@ class _HiddenStates:
     in its own band (so it must hold the window already where that band is wider).
 
     Gemma 3 layers on more than one token run `layer.decoder_layer` (Tunix's forward, no
-    [B, T, N, S] probabilities kept for the backward); `tunix_attention` keeps Tunix's own
-    (the benchmark's dense reference).
+    [B, T, N, S] probabilities kept for the backward); `tunix_attention` runs Tunix's own
+    layers instead: the dense reference of the tests and `bench/head.py`. It is a switch of
+    this method, not a function beside it, because qwix's LoRA intercepts this method only.
 
     With `mesh`, the residual stream is pinned to rows over 'fsdp' between layers
     (`mesh.activation_placement`). Tunix's own activation constraints are no-ops outside a
@@ -65,7 +66,7 @@ class _HiddenStates:
       name = f"layer_{i}"
       mask = attention_mask if local_mask is None or not _sliding(layer) else local_mask
       call = layer
-      if not tunix_attention and layer_lib.applies(layer, tokens.shape[1]):
+      if not tunix_attention and layer_lib.replaces(layer, tokens.shape[1]):
         call = functools.partial(layer_lib.decoder_layer, layer, tie=i > 0)
       layer_cache, x = call(x, positions, cache[name] if cache else None, mask)
       x = pin(x)
@@ -170,7 +171,7 @@ def model_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
   else:
     tcfg = presets[cfg.name]()
   changes = {"remat_config": getattr(lib.RematConfig, cfg.remat.upper()),
-             "shd_config": lib.ShardingConfig.get_default_sharding()}
+             "shd_config": mesh_lib.param_rules(lib)}
   if cfg.layers is not None and cfg.layers < tcfg.num_layers:
     changes["num_layers"] = cfg.layers
     if hasattr(tcfg, "attention_types"):  # Gemma 2 lists one type a layer
@@ -230,22 +231,31 @@ def from_host(spec: ModelSpec, mesh: Mesh,
   return nnx.merge(graphdef, state)
 
 
-def without_remat(graphdef, lora, base):
+def without_remat(graphdef, *states):
   """The same model's graphdef with Tunix's remat off everywhere, for the sampler: remat does
   nothing without a gradient, and Tunix's `nnx.remat` (in each attention, MLP or layer call
   under block or decoder remat) cannot run inside the decode loop, where the module was merged
-  outside the `while_loop` (TraceContextError). `lora`, `base`: the states `graphdef` was split
-  with (`lora.split`; arrays or ShapeDtypeStructs, nothing is copied); they merge with the
-  graphdef returned. `graphdef` itself is left as it was: merging shares its static attributes
-  with the module built, so the module is built from a copy (static data only, no arrays)."""
-  model = nnx.merge(copy.deepcopy(graphdef), lora, base)
+  outside the `while_loop` (TraceContextError). `states`: those `graphdef` was split with
+  (arrays or ShapeDtypeStructs, nothing is copied); they merge with the graphdef returned.
+  `graphdef` itself is left as it was: merging shares its static attributes with the module
+  built, so the module is built from a copy (static data only, no arrays). A graph without
+  remat comes back as it is."""
+  model = nnx.merge(copy.deepcopy(graphdef), *states)
+  changed = False
   for _, node in nnx.iter_graph(model):
-    if hasattr(node, "remat_config"):  # Tunix's Attention keeps its own
-      node.remat_config = type(node.remat_config).NONE
+    none = lambda rc: type(rc).NONE
+    if hasattr(node, "remat_config") and node.remat_config != none(node.remat_config):
+      node.remat_config = none(node.remat_config)  # Tunix's Attention keeps its own
+      changed = True
     cfg = getattr(node, "config", None)
-    if dataclasses.is_dataclass(cfg) and hasattr(cfg, "remat_config"):
-      node.config = dataclasses.replace(cfg, remat_config=type(cfg.remat_config).NONE)
-  return nnx.split(model, nnx.LoRAParam, ...)[0]
+    if (dataclasses.is_dataclass(cfg) and hasattr(cfg, "remat_config")
+        and cfg.remat_config != none(cfg.remat_config)):
+      node.config = dataclasses.replace(cfg, remat_config=none(cfg.remat_config))
+      changed = True
+  if not changed:
+    return graphdef
+  filters = (nnx.LoRAParam, ...) if len(states) == 2 else ()  # (lora, base) as `lora.split`
+  return nnx.split(model, *filters)[0]
 
 
 def decoded_fraction(shape: tuple[int, ...], chunk: tuple[int, ...],

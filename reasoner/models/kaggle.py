@@ -47,7 +47,7 @@ import socket
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, ModelConfig
@@ -370,14 +370,7 @@ def _stored(meta: Meta, key: str, leaf: str, where: pathlib.Path,
 
 def _read_sharding(s: Source, target: NamedSharding) -> NamedSharding:
   """The target's sharding carried onto the stored array (gating: [2, F, D] or [2, D, F])."""
-  return target if len(s.targets) == 1 else gating_sharding(target, s.transposed)
-
-
-def gating_sharding(kernel: NamedSharding, transposed: bool) -> NamedSharding:
-  """A [D, F] gate / up kernel's sharding carried onto the stacked gating einsum: [2, F, D]
-  (`transposed`, Gemma 3) or [2, D, F] (Gemma 2 2B)."""
-  d_ax, f_ax = (tuple(kernel.spec) + (None, None))[:2]
-  return NamedSharding(kernel.mesh, P(None, f_ax, d_ax) if transposed else P(None, d_ax, f_ax))
+  return target if len(s.targets) == 1 else mesh_lib.gating_sharding(target, s.transposed)
 
 
 @functools.lru_cache(maxsize=None)

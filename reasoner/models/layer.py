@@ -117,8 +117,9 @@ def remat(layer) -> str:
   return layer.config.remat_config.name.lower()
 
 
-def applies(layer, tokens: int) -> bool:
-  """Gemma 3 layers on calls of more than one token."""
+def replaces(layer, tokens: int) -> bool:
+  """Whether `decoder_layer` runs in place of Tunix's call: Gemma 3 layers on more than one
+  token."""
   from tunix.models.gemma3 import model as gemma3_lib
 
   return tokens > 1 and isinstance(layer, gemma3_lib.DecoderLayer)

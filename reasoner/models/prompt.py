@@ -14,8 +14,7 @@ from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
 from reasoner.models import decode
-from reasoner.models.cache import (causal_mask, init_cache, positions_from_mask, shard_cache,
-                                   slot_major_sharding)
+from reasoner.models.cache import causal_mask, init_cache, positions_from_mask, shard_cache
 
 
 def prompt_copies(mesh: Mesh | None, prompts: int, g: int) -> int:
@@ -55,7 +54,7 @@ def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int
   if not shared:
     rep = lambda x: jnp.repeat(x, g, axis=0)
     return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
-  sharding = slot_major_sharding(tcfg, mesh)
+  sharding = mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh)
   return (hidden[:, -1], decode.from_prefill(cache, sharding),
           decode.empty(tcfg, b * g, n, dtype, sharding))
 
