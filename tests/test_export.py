@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, shard_fraction, tiny_config
 from reasoner import export, lora as lora_lib, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
@@ -99,7 +99,7 @@ def test_export_holds_every_matrix_in_its_shards():
   for key, leaves in tree.items():
     for leaf, x in leaves.items():
       if x.ndim >= 2:
-        assert mesh_lib.shard_fraction(x) <= 1 / 2, (key, leaf, x.sharding)
+        assert shard_fraction(x) <= 1 / 2, (key, leaf, x.sharding)
 
 
 def test_gemma2_export_loads_in_tunix(tmp_path):
