@@ -39,7 +39,7 @@ from bench import common
 BATCHES = tuple(int(b) for b in os.environ.get("HEAD_BATCHES", "32,128,256").split(","))
 REMATS = tuple(os.environ.get("HEAD_REMAT", "none,block,decoder").split(","))
 G, PROMPT, NEW, FSDP = 8, 256, 768, 8
-EPS = dict(epsilon_low=0.2, epsilon_high=0.28)
+OBJ = dict(epsilon_low=0.2, epsilon_high=0.28, on_policy=False)  # the head bench's objective
 REPEATS = int(os.environ.get("HEAD_REPEATS", "5"))
 
 
@@ -79,10 +79,12 @@ def dense_step(trainer):
       z = jnp.dot(h, model.embedding().T)  # Tunix's Embedder.decode
       if model.logit_softcap is not None:
         z = jnp.tanh(z / model.logit_softcap) * model.logit_softcap
+      z = z / trainer.temperature  # Tunix's compute_per_token_logps(temperature=)
       n = batch.completion.shape[1]
       logp = selective_log_softmax(z[:, -n:], batch.completion)
       return grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
-                              batch.completion_mask, beta=g.beta, loss_agg=g.loss_agg, **EPS)
+                              batch.completion_mask, obj=trainer.obj, loss_agg=g.loss_agg,
+                              sampler_logp=batch.sampler_logp)
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
     (loss, aux), grads = grad_fn(nnx.merge(trainer.graphdef, state.lora, base))
@@ -169,22 +171,21 @@ def head_times() -> dict:
 
   h, e, y, mask, old, adv = head_inputs()
   a = jnp.broadcast_to(adv[:, None], old.shape)
-  fn = functools.partial(grpo.token_loss, beta=0.0, **EPS)
+  obj = grpo.Objective(**OBJ)
+  fn = functools.partial(grpo.token_loss, obj=obj)
   w = grpo.token_weights(mask, "token-mean")
 
   def fused(h, e):
-    return heads.fused_token_loss(h, e, y, w, fn, (old, old, a))[0]
+    return heads.fused_token_loss(h, e, y, w, fn, (old, old, a, old, jnp.zeros_like(old)))[0]
 
   def dense(h, e):
     logp = jnp.take_along_axis(jax.nn.log_softmax(heads.logits(h, e), -1), y[..., None],
                                -1)[..., 0]
-    return grpo.policy_loss(logp, old, None, adv, mask, beta=0.0, loss_agg="token-mean",
-                            **EPS)[0]
+    return grpo.policy_loss(logp, old, None, adv, mask, obj=obj, loss_agg="token-mean")[0]
 
   def remat(h, e):
     logp, _ = heads.token_logprobs(h, e, y)
-    return grpo.policy_loss(logp, old, None, adv, mask, beta=0.0, loss_agg="token-mean",
-                            **EPS)[0]
+    return grpo.policy_loss(logp, old, None, adv, mask, obj=obj, loss_agg="token-mean")[0]
 
   out = {"shape": "B1 T512 H640 V262144 float32", "repeats": REPEATS}
   steps = {}

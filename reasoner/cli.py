@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
       print(plan.format_report(plan.plan(cfg, args.topology, args.search, args.analytic,
                                          log=lambda s: print(s, file=sys.stderr, flush=True))))
     elif args.command == "eval":
-      run.eval_only(cfg)
+      from reasoner import evaluation
+
+      evaluation.eval_only(cfg)
     else:
       for i, text in enumerate(run.sample(cfg, args.question, args.n)):
         print(f"[{i}] {text}")

@@ -10,35 +10,18 @@ expected, before any model is loaded. Rules that need the device count live in `
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import pathlib
 import re
-import types
-import typing
+import warnings
 from typing import Any, Literal
 
 import yaml
 
+from reasoner import typed
 from reasoner.errors import ConfigError
 
-
-class _Loader(yaml.SafeLoader):
-  """YAML 1.1 reads '1e-5' and '3E-4' as strings (its floats need a dot and a signed exponent);
-  here every form Python reads as a float is one."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-def _yaml(text: str) -> Any:
-  return yaml.load(text, Loader=_Loader)
-
-
-def _fail(key: str, value: Any, expected: str) -> None:
-  raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
+_fail = typed.fail
+apply_override = typed.apply_override
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,11 +201,45 @@ class GRPOConfig:
   epsilon_low: float = 0.2  # clip ratio below 1 - epsilon_low
   epsilon_high: float = 0.28  # clip ratio above 1 + epsilon_high (DAPO clip-higher)
   num_iterations: int = 1  # mu: optimisation passes per rollout batch
-  loss_agg: Literal["token-mean", "sequence-mean-token-mean",
+  # Tunix's names and meanings (reasoner/grpo.py); token-mean is DAPO's.
+  loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
                     "sequence-mean-token-sum-norm"] = "token-mean"
   scale_rewards: bool = True  # divide advantages by the group std (False: Dr. GRPO)
+  # The group std as a population's (unit mean-square advantages whatever G) or a sample's
+  # (ddof 1, Tunix's and TRL's).
+  advantage_std: Literal["population", "sample"] = "population"
+  # token: GRPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio.
+  importance_sampling: Literal["token", "sequence"] = "token"
+  kl_estimator: Literal["k3", "k1"] = "k3"  # Tunix's low_var_kl and kl
+  # Log-probs (sampler's and trainer's) of the distribution rollouts draw from, softmax(z / T)
+  # with T = rollout.temperature (sampling: TRL's, Tunix's and verl's), or of the policy
+  # itself at temperature 1 (policy). With policy and T != 1 the gradient is taken for
+  # another distribution than the one that produced the samples.
+  logprobs: Literal["sampling", "policy"] = "sampling"
+  # Truncated importance sampling of the sampler: each token's loss times
+  # min(pi_old / pi_sampler, sampler_is_cap), for when their numerics drift.
+  sampler_is: Literal["off", "token"] = "off"
+  sampler_is_cap: float = 2.0
+  # A completion that hit rollout.max_new_tokens without stopping contributes no loss.
+  mask_truncated_completions: bool = False
+  # DAPO's soft overlong punishment, counted in tokens: 0 up to max_new_tokens - buffer, then
+  # falling linearly to -overlong_penalty at max_new_tokens, added to the reward. 0: off.
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
+  # DAPO's dynamic sampling: groups whose rewards are all equal (no gradient) are dropped and
+  # more prompts drawn, a batch of train.batch_size prompts at a time (one compiled shape), up
+  # to max_sample_batches batches; short of that, the step trains on the groups it has.
+  dynamic_sampling: bool = False
+  max_sample_batches: int = 4
 
   def __post_init__(self):
+    if self.sampler_is_cap < 1:
+      _fail("grpo.sampler_is_cap", self.sampler_is_cap, "a number of at least 1")
+    if self.loss_agg == "sequence-mean-token-sum-norm":
+      warnings.warn("grpo.loss_agg 'sequence-mean-token-sum-norm' now means Tunix's (the token "
+                    "sum over the rows); until 2026-11-25 it meant the sum over rows x "
+                    "max_new_tokens (Dr. GRPO), which is now 'sequence-mean-token-scale'",
+                    UserWarning, stacklevel=2)
     if self.beta < 0:
       _fail("grpo.beta", self.beta, "a non-negative number")
     if not 0 <= self.epsilon_low < 1:
@@ -231,6 +248,12 @@ class GRPOConfig:
       _fail("grpo.epsilon_high", self.epsilon_high, "a non-negative number")
     if self.num_iterations < 1:
       _fail("grpo.num_iterations", self.num_iterations, "at least 1")
+    if self.overlong_buffer < 0:
+      _fail("grpo.overlong_buffer", self.overlong_buffer, "a non-negative number of tokens")
+    if self.overlong_penalty < 0:
+      _fail("grpo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+    if self.max_sample_batches < 1:
+      _fail("grpo.max_sample_batches", self.max_sample_batches, "at least 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,12 +343,20 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-  """Greedy evaluation on the held-out split."""
+  """Evaluation on the held-out split: greedy, and optionally sampled (pass@k, majority)."""
 
   batch_size: int = 32
   max_new_tokens: int = 64
+  # Completions sampled per question at the rollouts' settings, for pass@k and majority-vote
+  # accuracy beside the greedy figures; 0: greedy only.
+  samples: int = 0
+  pass_k: tuple[int, ...] = (1,)  # each at most `samples`
 
   def __post_init__(self):
+    if self.samples < 0:
+      _fail("eval.samples", self.samples, "a non-negative integer")
+    if self.samples and not all(1 <= k <= self.samples for k in self.pass_k):
+      _fail("eval.pass_k", list(self.pass_k), f"values from 1 to eval.samples = {self.samples}")
     if self.batch_size < 1:
       _fail("eval.batch_size", self.batch_size, "a positive integer")
     if self.max_new_tokens < 1:
@@ -353,6 +384,9 @@ class Config:
       _fail("rewards", [], "at least one reward function")
     if sum(r.weight for r in self.rewards) <= 0:
       _fail("rewards", [r.weight for r in self.rewards], "weights that sum to more than 0")
+    if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
+      _fail("grpo.overlong_buffer", self.grpo.overlong_buffer,
+            f"at most rollout.max_new_tokens = {self.rollout.max_new_tokens}")
     buckets = self.rollout.prompt_buckets
     if buckets is not None and buckets[-1] < self.data.max_prompt_tokens:
       _fail("rollout.prompt_buckets", list(buckets),
@@ -375,105 +409,8 @@ def check_mesh(cfg: Config, fsdp: int) -> None:
           f"the data-parallel size mesh.fsdp = {fsdp}")
 
 
-# ----------------------------------------------------------------------------- building from dicts
-
-def _build(cls: type, data: Any, key: str) -> Any:
-  """Builds dataclass `cls` from a mapping, checking every key and type."""
-  if data is None:
-    data = {}
-  if not isinstance(data, dict):
-    _fail(key or "<root>", data, f"a mapping of {cls.__name__} fields")
-  hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - fields)
-  if unknown:
-    where = f"'{key}'" if key else "the top level"
-    raise ConfigError(f"unknown config key '{_join(key, unknown[0])}'; known keys in {where}: "
-                      f"{', '.join(sorted(fields))}")
-  kwargs = {name: _coerce(hints[name], value, _join(key, name)) for name, value in data.items()}
-  return cls(**kwargs)
-
-
-def _join(prefix: str, name: str) -> str:
-  return f"{prefix}.{name}" if prefix else name
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-  origin = typing.get_origin(tp)
-  args = typing.get_args(tp)
-  if dataclasses.is_dataclass(tp):
-    return _build(tp, value, key)
-  if origin in (typing.Union, types.UnionType):
-    if value is None and type(None) in args:
-      return None
-    options = [a for a in args if a is not type(None)]
-    errors = []
-    for a in options:
-      try:
-        return _coerce(a, value, key)
-      except ConfigError as e:
-        errors.append(str(e))
-    _fail(key, value, " or ".join(_describe(a) for a in args))
-  if origin is Literal:
-    if value not in args:
-      _fail(key, value, "one of " + ", ".join(repr(a) for a in args))
-    return value
-  if origin is tuple:
-    if not isinstance(value, (list, tuple)):
-      _fail(key, value, "a list")
-    return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
-  if tp is bool:
-    if not isinstance(value, bool):
-      _fail(key, value, "true or false")
-    return value
-  if tp is int:
-    if isinstance(value, bool) or not isinstance(value, int):
-      _fail(key, value, "an integer")
-    return value
-  if tp is float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      _fail(key, value, "a number")
-    return float(value)
-  if tp is str:
-    if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads ISO times itself
-      return value.isoformat()
-    if not isinstance(value, str):
-      _fail(key, value, "a string")
-    return value
-  raise TypeError(f"unsupported config type {tp} for {key}")
-
-
-def _describe(tp: Any) -> str:
-  if tp is type(None):
-    return "null"
-  if typing.get_origin(tp) is Literal:
-    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-  return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-      tp, getattr(tp, "__name__", str(tp)))
-
-
-def apply_override(tree: dict[str, Any], override: str) -> None:
-  """Sets 'a.b.c=value' in a nested dict; the value is parsed as YAML ('5', 'true', 'null')."""
-  if "=" not in override:
-    raise ConfigError(f"override {override!r}: expected key=value, e.g. train.steps=5")
-  dotted, raw = override.split("=", 1)
-  parts = dotted.strip().split(".")
-  if not all(parts):
-    raise ConfigError(f"override {override!r}: the key {dotted!r} has an empty part")
-  node = tree
-  for i, part in enumerate(parts[:-1]):
-    child = node.setdefault(part, {})
-    if not isinstance(child, dict):
-      raise ConfigError(f"override {override!r}: '{'.'.join(parts[:i + 1])}' is not a section")
-    node = child
-  try:
-    node[parts[-1]] = _yaml(raw)
-  except yaml.YAMLError as e:
-    raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from None
-
-
 def config_from_dict(tree: dict[str, Any]) -> Config:
-  return _build(Config, tree, "")
+  return typed.build(Config, tree, "")
 
 
 def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[str, ...] = ()
@@ -485,13 +422,13 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[st
     if not p.is_file():
       raise ConfigError(f"config file '{p}' does not exist")
     try:
-      tree = _yaml(p.read_text()) or {}
+      tree = typed.parse_yaml(p.read_text()) or {}
     except yaml.YAMLError as e:
       raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
       raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
   for o in overrides:
-    apply_override(tree, o)
+    typed.apply_override(tree, o)
   try:
     return config_from_dict(tree)
   except ConfigError as e:

@@ -1,35 +1,76 @@
 """GRPO: group-normalised advantages and the clipped policy objective, as pure functions.
 
 The variant: GRPO (Shao et al. 2024) with DAPO's asymmetric clipping (epsilon_low,
-epsilon_high), the k3 KL estimator to the reference policy weighted by beta (beta = 0, the
-default, drops the KL and the reference forward, as DAPO and Dr. GRPO do), and mu >= 1
-optimisation passes per rollout batch against the rollout policy's log-probs.
+epsilon_high), a KL estimator to the reference policy weighted by beta (beta = 0, the default,
+drops the KL and the reference forward, as DAPO and Dr. GRPO do), and mu >= 1 optimisation
+passes per rollout batch. With mu = 1 the old policy is the current one, stop-gradient (the
+ratio is exactly 1 and clipping never binds, as in Tunix and TRL); with mu > 1 it is the
+trainer's own forward at the start of the step.
 
-Advantages: A_i = (r_i - mean_group(r)) / (std_group(r) + eps); `scale_rewards=False` keeps only
-the centring (Dr. GRPO), which avoids up-weighting groups whose rewards barely differ.
+Options (`Objective`, from `config.GRPOConfig`):
+- importance sampling per token (GRPO) or per sequence (GSPO, Zheng et al. 2025): the ratio of
+  a row is exp(mean over its tokens of (logp - old)), its gradient each token's ("GSPO-token",
+  Tunix's `gspo-token`); the same as GRPO's on the first pass.
+- the KL estimator: k3 = exp(ref - logp) - (ref - logp) - 1 (Tunix's `low_var_kl`; default:
+  non-negative, low variance) or k1 = logp - ref (Tunix's `kl`).
+- truncated importance sampling of the sampler (Yao et al. 2025, Tunix's `sampler_is_weights`):
+  each token's policy loss times min(pi_old / pi_sampler, cap), for when the sampler's numerics
+  drift from the trainer's (bf16 rollouts, other kernels).
 
-Normalisation (`loss_agg`):
-- "token-mean": sum over all completion tokens / their count (DAPO). Every token weighs the
-  same, so long completions are not diluted. Our default.
-- "sequence-mean-token-mean": mean over sequences of each sequence's token mean (original GRPO);
-  biases towards short correct and long wrong answers.
-- "sequence-mean-token-sum-norm": sum over tokens / (rows * max_new_tokens) (Dr. GRPO); a
-  constant normaliser, unbiased in length.
+Advantages: A_i = (r_i - mean_group(r)) / (std_group(r) + eps), std over the group as a
+population (default: each group's advantages then have unit mean square whatever G) or as a
+sample (ddof 1, as Tunix and TRL do); `scale_rewards=False` keeps only the centring
+(Dr. GRPO), which avoids up-weighting groups whose rewards barely differ.
+
+Normalisation (`loss_agg`), with Tunix's names and meanings (rows with no completion token, e.g.
+masked as truncated, count in none):
+- "token-mean": sum over all completion tokens / their count (DAPO). Our default.
+- "sequence-mean-token-mean": mean over rows of each row's token mean (original GRPO); biases
+  towards short correct and long wrong answers.
+- "sequence-mean-token-scale": sum over tokens / (rows * max_new_tokens) (Dr. GRPO): a constant
+  normaliser, unbiased in length.
+- "sequence-mean-token-sum-norm": sum over tokens / rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+LOSS_AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
+                     "sequence-mean-token-sum-norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """The per-token loss's static settings (hashable: part of the jitted step)."""
+
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.28
+  beta: float = 0.0
+  kl: str = "k3"  # k3 | k1
+  sequence: bool = False  # GSPO's sequence-level ratio
+  on_policy: bool = True  # pi_old = stop_gradient(pi_theta): one pass per rollout batch
+  sampler_is_cap: float | None = None  # truncated importance sampling of the sampler
+
+  @classmethod
+  def from_config(cls, g) -> "Objective":
+    """From a `config.GRPOConfig`."""
+    return cls(epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, beta=g.beta,
+               kl=g.kl_estimator, sequence=g.importance_sampling == "sequence",
+               on_policy=g.num_iterations == 1,
+               sampler_is_cap=g.sampler_is_cap if g.sampler_is == "token" else None)
+
 
 def group_advantages(rewards: jax.Array, group_size: int, scale: bool = True,
-                     eps: float = 1e-4) -> jax.Array:
-  """[B * G] rewards (rows grouped by prompt) -> [B * G] advantages."""
+                     eps: float = 1e-4, ddof: int = 0) -> jax.Array:
+  """[B * G] rewards (rows grouped by prompt) -> [B * G] advantages; `ddof` 1: sample std."""
   r = rewards.reshape(-1, group_size)
   centred = r - r.mean(axis=1, keepdims=True)
   if scale:
-    centred = centred / (r.std(axis=1, keepdims=True) + eps)
+    centred = centred / (r.std(axis=1, keepdims=True, ddof=ddof) + eps)
   return centred.reshape(-1)
 
 
@@ -38,78 +79,118 @@ def token_weights(mask: jax.Array, how: str) -> jax.Array:
   every aggregation is linear in them, which is what lets the fused head take the loss's
   gradient in its forward pass (`heads.fused_token_loss`)."""
   m = mask.astype(jnp.float32)
+  lengths = jnp.sum(m, axis=1, keepdims=True)
+  rows = jnp.maximum(jnp.sum(lengths > 0), 1).astype(jnp.float32)
   if how == "token-mean":
     return m / jnp.maximum(jnp.sum(m), 1.0)
   if how == "sequence-mean-token-mean":
-    return m / (jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0) * m.shape[0])
+    return m / (jnp.maximum(lengths, 1.0) * rows)
+  if how == "sequence-mean-token-scale":
+    return m / (rows * m.shape[1])
   if how == "sequence-mean-token-sum-norm":
-    return m / (m.shape[0] * m.shape[1])
+    return m / rows
   raise ValueError(f"unknown loss aggregation {how!r}")
 
 
-def _surrogates(logp, old_logp, advantages, epsilon_low: float, epsilon_high: float):
-  """(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logp - old_logp)."""
-  ratio = jnp.exp(logp - old_logp)
-  return ratio * advantages, jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * advantages
+def sequence_log_ratio(logp, old_logp, mask) -> jax.Array:
+  """[R, N] -> [R]: each row's mean of logp - old over its tokens (GSPO's log-ratio)."""
+  m = mask.astype(jnp.float32)
+  return jnp.sum((logp - old_logp) * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
 
-def _k3(logp, ref_logp) -> jax.Array:
-  """The k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1."""
+def _old(logp, old_logp, obj: Objective):
+  return jax.lax.stop_gradient(logp) if obj.on_policy else old_logp
+
+
+def _surrogates(logp, old_logp, advantages, seq_log_ratio, obj: Objective):
+  """(r A, clip(r, 1 - eps_low, 1 + eps_high) A): r per token, or GSPO's per sequence (its
+  value the row's, its gradient the token's)."""
+  if obj.sequence:
+    log_ratio = logp - jax.lax.stop_gradient(logp) + seq_log_ratio
+  else:
+    log_ratio = logp - _old(logp, old_logp, obj)
+  ratio = jnp.exp(log_ratio)
+  clipped = jnp.clip(ratio, 1.0 - obj.epsilon_low, 1.0 + obj.epsilon_high)
+  return ratio * advantages, clipped * advantages
+
+
+def kl_estimate(logp, ref_logp, estimator: str) -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) from the sampled token: k3 or k1."""
   delta = ref_logp - logp
+  if estimator == "k1":
+    return -delta
   return jnp.exp(delta) - delta - 1.0
+
+
+def sampler_is_weight(logp, old_logp, sampler_logp, obj: Objective) -> jax.Array:
+  """min(pi_old / pi_sampler, cap) per token, stop-gradient (1 when the option is off)."""
+  if obj.sampler_is_cap is None:
+    return jnp.ones_like(logp)
+  old = jax.lax.stop_gradient(_old(logp, old_logp, obj))
+  return jnp.minimum(jnp.exp(old - sampler_logp), obj.sampler_is_cap)
 
 
 def token_loss(
     logp: jax.Array,  # [...] log pi_theta(token)
-    old_logp: jax.Array,  # [...] log pi_old
-    ref_logp: jax.Array,  # [...] log pi_ref (ignored when beta == 0)
+    old_logp: jax.Array,  # [...] log pi_old (unused on-policy)
+    ref_logp: jax.Array,  # [...] log pi_ref (unused when beta == 0)
     advantages: jax.Array,  # [...] A of each token's row, broadcast to logp's shape
+    sampler_logp: jax.Array,  # [...] the sampler's log-prob (for the sampler IS weight)
+    seq_log_ratio: jax.Array,  # [...] GSPO's row log-ratio, stop-gradient (unused otherwise)
     *,
-    epsilon_low: float,
-    epsilon_high: float,
-    beta: float,
+    obj: Objective,
 ) -> jax.Array:
-  """Per-token loss, elementwise: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3,
-  with r = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1."""
-  unclipped, clipped = _surrogates(logp, old_logp, advantages, epsilon_low, epsilon_high)
-  per_token = -jnp.minimum(unclipped, clipped)
-  if beta > 0:
-    per_token = per_token + beta * _k3(logp, ref_logp)
+  """Per-token loss, elementwise: -min(r A, clip(r) A) w + beta KL, with w the sampler IS
+  weight (1 when off)."""
+  unclipped, clipped = _surrogates(logp, old_logp, advantages, seq_log_ratio, obj)
+  per_token = -jnp.minimum(unclipped, clipped) * sampler_is_weight(logp, old_logp,
+                                                                  sampler_logp, obj)
+  if obj.beta > 0:
+    per_token = per_token + obj.beta * kl_estimate(logp, ref_logp, obj.kl)
   return per_token
 
 
-def policy_metrics(logp, old_logp, ref_logp, advantages, mask, *, epsilon_low: float,
-                   epsilon_high: float, beta: float) -> dict[str, jax.Array]:
-  """Token means of where clipping binds and (beta > 0) of the k3 KL; [R, N] inputs."""
-  unclipped, clipped = _surrogates(logp, old_logp, advantages[:, None], epsilon_low,
-                                   epsilon_high)
+def policy_metrics(logp, old_logp, ref_logp, advantages, mask, sampler_logp, seq_log_ratio, *,
+                   obj: Objective) -> dict[str, jax.Array]:
+  """Token means of where clipping binds, of the KL (beta > 0) and of the sampler IS weight
+  (when on), and the sampler-trainer mismatch |log pi_old - log pi_sampler| (mean, max);
+  [R, N] inputs, [R] advantages and seq_log_ratio."""
+  unclipped, clipped = _surrogates(logp, old_logp, advantages[:, None],
+                                   seq_log_ratio[:, None], obj)
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
-  metrics = {"clip_fraction": jnp.sum((clipped < unclipped) * m) / n}  # clipping binds
-  if beta > 0:
-    metrics["kl"] = jnp.sum(_k3(logp, ref_logp) * m) / n
+  mean = lambda x: jnp.sum(x * m) / n
+  gap = jnp.abs(_old(logp, old_logp, obj) - sampler_logp)
+  metrics = {"clip_fraction": mean(clipped < unclipped),  # clipping binds
+             "sampler_mismatch_mean": mean(gap),
+             "sampler_mismatch_max": jnp.max(jnp.where(mask, gap, 0.0))}
+  if obj.beta > 0:
+    metrics["kl"] = mean(kl_estimate(logp, ref_logp, obj.kl))
+  if obj.sampler_is_cap is not None:
+    metrics["sampler_is_weight"] = mean(sampler_is_weight(logp, old_logp, sampler_logp, obj))
   return metrics
 
 
 def policy_loss(
     logp: jax.Array,  # [R, N] log pi_theta(token)
-    old_logp: jax.Array,  # [R, N] log pi_old (the rollout policy)
+    old_logp: jax.Array,  # [R, N] log pi_old (unused on-policy)
     ref_logp: jax.Array | None,  # [R, N] log pi_ref, or None when beta == 0
     advantages: jax.Array,  # [R]
     mask: jax.Array,  # [R, N] completion tokens
     *,
-    epsilon_low: float,
-    epsilon_high: float,
-    beta: float,
+    obj: Objective,
     loss_agg: str,
+    sampler_logp: jax.Array | None = None,  # [R, N]; default old_logp
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The clipped surrogate, negated for minimisation, plus beta * KL(pi_theta || pi_ref).
 
   The dense form of what the trainer computes with `heads.fused_token_loss`: the same
-  `token_loss`, aggregated with the same `token_weights`."""
+  `token_loss`, aggregated with the same `token_weights`; GSPO's row ratio from `logp` itself
+  (the trainer takes it from a forward pass before the fused one)."""
   ref = jnp.zeros_like(logp) if ref_logp is None else ref_logp
-  eps = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
-  per_token = token_loss(logp, old_logp, ref, jnp.broadcast_to(advantages[:, None], logp.shape),
-                         **eps)
-  metrics = policy_metrics(logp, old_logp, ref, advantages, mask, **eps)
+  sampler = old_logp if sampler_logp is None else sampler_logp
+  seq = jax.lax.stop_gradient(sequence_log_ratio(logp, _old(logp, old_logp, obj), mask))
+  row = lambda x: jnp.broadcast_to(x[:, None], logp.shape)
+  per_token = token_loss(logp, old_logp, ref, row(advantages), sampler, row(seq), obj=obj)
+  metrics = policy_metrics(logp, old_logp, ref, advantages, mask, sampler, seq, obj=obj)
   return jnp.sum(token_weights(mask, loss_agg) * per_token), metrics

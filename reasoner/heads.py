@@ -25,11 +25,12 @@ Heads:
   sampler's head at each decoding step.
 
 The fused gradient. The loss is L = sum_i w_i f(logp_i, a_i): a per-token function f (the
-GRPO clipped surrogate + k3 KL, `grpo.token_loss`) of the target log-prob, with weights w (the
+GRPO clipped surrogate + KL, `grpo.token_loss`) of the target log-prob, with weights w (the
 aggregation, `grpo.token_weights`) and per-token data a (old/ref log-probs, advantages). With
-z = E h the logits, p = softmax(z) and y the target,
+z = E h / T the logits at the sampling temperature T, p = softmax(z) and y the target,
     dL/dz_iv = c_i (1[v = y_i] - p_iv),   c_i = w_i f'(logp_i)
-and with Gemma 2's soft cap z = s tanh(u / s), dL/du = dL/dz (1 - (z / s)^2). Since f, w and a
+so dL/d(E h) = dL/dz / T, and with Gemma 2's soft cap z T = s tanh(u / s), dL/du = dL/dz / T
+(1 - (z T / s)^2). Since f, w and a
 are known in the forward pass, the forward scan forms G = dL/du per chunk right after the
 logits and computes dh = G E and dE += G^T h there; the custom_vjp's backward only scales them
 by the incoming (scalar) cotangent.
@@ -73,12 +74,14 @@ STEP_ROWS = 512  # tokens a step takes from all shards together, at most (when s
 TokenFn = Callable[..., jax.Array]  # (logp [C], *args [C]) -> per-token loss [C], elementwise
 
 
-def logits(hidden: jax.Array, embedding: jax.Array, softcap: float | None = None) -> jax.Array:
-  """[..., D] x [V, D] -> [..., V] float32, with Gemma 2's final soft cap when given."""
+def logits(hidden: jax.Array, embedding: jax.Array, softcap: float | None = None,
+           temperature: float = 1.0) -> jax.Array:
+  """[..., D] x [V, D] -> [..., V] float32, with Gemma 2's final soft cap when given, divided
+  by the sampling temperature (the distribution softmax(z / T) that rollouts draw from)."""
   out = jnp.einsum("...d,vd->...v", hidden, embedding, preferred_element_type=jnp.float32)
   if softcap is not None:
     out = jnp.tanh(out / softcap) * softcap
-  return out
+  return out if temperature == 1.0 else out / temperature
 
 
 # ----------------------------------------------------------------------------------- layout
@@ -182,12 +185,12 @@ class _Chunk(NamedTuple):
 
 
 def _chunk_stats(h: jax.Array, emb: jax.Array, y: jax.Array, softcap: float | None,
-                 lay: Layout) -> _Chunk:
+                 lay: Layout, temperature: float = 1.0) -> _Chunk:
   """Logits once, one exp pass for the normaliser, the softmax and the entropy.
 
   The target is picked by comparison with an iota, not a gather, so a vocabulary split across
   chips (`_vocab_parallel`) needs only [C]-sized reductions across them."""
-  z = logits(h.astype(emb.dtype), emb, softcap)
+  z = logits(h.astype(emb.dtype), emb, softcap, temperature)
   vocab = _vocab_axes(lay, emb.shape[0])
   z = lay.constrain(z, None if "fsdp" in vocab else "fsdp", vocab or None)
   m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
@@ -211,6 +214,7 @@ def token_logprobs(
     chunk: int | None = None,  # tokens per shard per step (None: `auto_chunk`)
     mesh: Mesh | None = None,
     softcap: float | None = None,
+    temperature: float = 1.0,  # of softmax(z / T): the sampling distribution's log-probs
 ) -> tuple[jax.Array, jax.Array]:  # log p(target) [B, T], entropy [B, T], float32
   """Per-token log-probabilities of `targets` and each position's entropy (a stop-gradient).
 
@@ -225,7 +229,7 @@ def token_logprobs(
 
   @jax.checkpoint
   def body(carry, xs):
-    st = _chunk_stats(xs[0], emb, xs[1], softcap, lay)
+    st = _chunk_stats(xs[0], emb, xs[1], softcap, lay, temperature)
     return carry, (st.logp, st.entropy)
 
   _, (logp, ent) = jax.lax.scan(body, None, (to_chunks(hidden, lay), to_chunks(targets, lay)))
@@ -239,6 +243,7 @@ class _Static:
   token_fn: TokenFn
   softcap: float | None
   lay: Layout
+  temperature: float = 1.0
 
 
 def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
@@ -253,15 +258,17 @@ def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
   def body(carry, xs):
     loss, de = carry
     h_c, y_c, w_c, a_c = xs
-    ch = _chunk_stats(h_c, emb, y_c, st.softcap, st.lay)
+    ch = _chunk_stats(h_c, emb, y_c, st.softcap, st.lay, st.temperature)
     tok, pull = jax.vjp(lambda lp: st.token_fn(lp, *a_c), ch.logp)
     loss = loss + jnp.sum(w_c * tok)
     out = (ch.logp, ch.entropy)
     if want_dh or want_de:
       (c,) = pull(w_c.astype(tok.dtype))  # c_i = w_i f'(logp_i)
       dz = jnp.where(ch.hit, c[:, None], 0.0) - ch.p * c[:, None]  # dL/dz
-      if st.softcap is not None:
-        dz = dz * (1.0 - jnp.square(ch.z / st.softcap))  # through s tanh(u / s)
+      if st.temperature != 1.0:
+        dz = dz / st.temperature  # through z / T
+      if st.softcap is not None:  # through s tanh(u / s), whose value is z T
+        dz = dz * (1.0 - jnp.square(ch.z * st.temperature / st.softcap))
       dz = dz.astype(emb.dtype)
       if want_dh:
         dh = jnp.einsum("cv,vd->cd", dz, emb, preferred_element_type=jnp.float32)
@@ -313,6 +320,7 @@ def fused_token_loss(
     chunk: int | None = None,
     mesh: Mesh | None = None,
     softcap: float | None = None,
+    temperature: float = 1.0,  # of softmax(z / T), as in `token_logprobs`
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # loss [], logp [B, T], entropy [B, T] (float32)
   """The weighted per-token loss of the targets' log-probs, its gradients fused (module doc).
 
@@ -323,7 +331,7 @@ def fused_token_loss(
   """
   b, t, _ = hidden.shape
   lay = _layout(hidden, embedding, mesh, chunk)
-  st = _Static(token_fn=token_fn, softcap=softcap, lay=lay)
+  st = _Static(token_fn=token_fn, softcap=softcap, lay=lay, temperature=temperature)
   args = tuple(to_chunks(a.astype(jnp.float32), lay) for a in token_args)
   loss, logp, ent = _fused(st, to_chunks(hidden, lay), _vocab_parallel(embedding, lay),
                            to_chunks(targets, lay), to_chunks(weights.astype(jnp.float32), lay),
@@ -362,13 +370,13 @@ def exact_topk(z: jax.Array, k: int, group: int = 64) -> tuple[jax.Array, jax.Ar
 
 
 def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-               softcap: float | None = None):
-  """[C, D] -> top-k logits (descending), their ids, log-sum-exp; over vocabulary blocks of
-  `vocab_chunk` rows when asked (a running top-k and an online log-sum-exp), so no [C, V]
-  array is formed. The sampler's head at each decoding step."""
+               softcap: float | None = None, temperature: float = 1.0):
+  """[C, D] -> top-k logits / T (descending), their ids, log-sum-exp of logits / T; over
+  vocabulary blocks of `vocab_chunk` rows when asked (a running top-k and an online
+  log-sum-exp), so no [C, V] array is formed. The sampler's head at each decoding step."""
   v = emb.shape[0]
   if vocab_chunk is None or vocab_chunk >= v:
-    z = logits(h.astype(emb.dtype), emb, softcap)
+    z = logits(h.astype(emb.dtype), emb, softcap, temperature)
     vals, idx = exact_topk(z, k)
     # Its own max pass, not vals[..., 0] (the same value): on XLA:CPU the log-sum-exp that
     # waits on the top-k made the head 1.3-1.6x slower (32 and 128 rows of 262,144).
@@ -380,7 +388,7 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
   def body(carry, xs):
     vals, idx, m, s = carry
     e_b, j = xs
-    z = logits(h.astype(emb.dtype), e_b, softcap)
+    z = logits(h.astype(emb.dtype), e_b, softcap, temperature)
     ids = j * vocab_chunk + jnp.arange(vocab_chunk, dtype=jnp.int32)
     z = jnp.where(ids[None] < v, z, -jnp.inf)  # padding rows never win
     bv, bi = exact_topk(z, min(k, vocab_chunk))

@@ -29,7 +29,8 @@ from reasoner.config import Config, ConfigError
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
 from reasoner.mesh import agreed, largest
-from reasoner.run import checkpoint_tree, eval_logged, grpo_step
+from reasoner.evaluation import eval_logged
+from reasoner.run import checkpoint_tree, grpo_step
 from reasoner.sampler import Sampler
 from reasoner.trainer import Trainer
 
@@ -191,8 +192,8 @@ class Run:
       if sig or agreed(clock.stop_before_next_step(eval_after=True)):
         break
       with clock.timed("step"):
-        state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state,
-                                   next(self.data), step)
+        state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state, self.data,
+                                   step)
       clock.estimated("eval", metrics["rollout_s"] * _eval_share(cfg))
       self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
       self.writer.log(step + 1, metrics)
@@ -253,7 +254,7 @@ class Run:
 def _eval_share(cfg: Config) -> float:
   """Held-out evaluation tokens over one rollout's tokens (an evaluation's time, estimated
   from the rollouts' while no evaluation has been timed)."""
-  return (cfg.data.num_eval * cfg.eval.max_new_tokens) / (
+  return (cfg.data.num_eval * cfg.eval.max_new_tokens * (1 + cfg.eval.samples)) / (
       cfg.train.batch_size * cfg.rollout.num_generations * cfg.rollout.max_new_tokens)
 
 

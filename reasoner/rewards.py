@@ -74,6 +74,14 @@ def correct(prompts, completions, answer: Sequence[str], **_) -> list[float]:
   return out
 
 
+def overlong(lengths: np.ndarray, max_new_tokens: int, buffer: int,
+             penalty: float) -> np.ndarray:
+  """DAPO's soft overlong punishment, counted in tokens: 0 up to max_new_tokens - buffer, then
+  linear down to -penalty at max_new_tokens (a completion cut there). Added to the reward."""
+  over = np.clip(np.asarray(lengths, np.float32) - (max_new_tokens - buffer), 0.0, None)
+  return (-penalty * np.minimum(over / max(buffer, 1), 1.0)).astype(np.float32)
+
+
 BUILTIN: dict[str, RewardFn] = {"format_exact": format_exact, "format_partial": format_partial,
                                 "correct": correct}
 

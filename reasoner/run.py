@@ -1,10 +1,11 @@
-"""One GRPO step (rollout, rewards, advantages, train_step), held-out evaluation and sampling:
-the pieces `reasoner.loop` runs, and what `python -m reasoner eval|sample` run."""
+"""One GRPO step (rollout, rewards, advantages, train_step), restoring a run's LoRA, sampling:
+the pieces `reasoner.loop` runs, and what `python -m reasoner sample` runs."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,58 +17,72 @@ from reasoner.build import Setup, build
 from reasoner.checkpoint import CheckpointError, Checkpointer
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
-from reasoner.metrics import MetricsWriter
-from reasoner.sampler import Sampler, SamplingConfig
+from reasoner.sampler import Completions, Sampler, SamplingConfig
 from reasoner.trainer import Batch, Trainer, build_batch
 
 log = logging.getLogger("reasoner")
 
 
-def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple[dict, list]:
-  """Greedy decoding on held-out records: mean reward, accuracy and format rate."""
-  cfg = setup.cfg
-  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=True)
-  totals, correct, fmt, rows = [], [], [], []
-  for i in range(0, len(records), cfg.eval.batch_size):
-    chunk = records[i:i + cfg.eval.batch_size]
-    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
-    comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
-    answers = [r["answer"] for r in chunk]
-    total, _ = setup.rewards(prompts, comps.texts, answer=answers)
-    totals += total.tolist()
-    correct += rewards_lib.correct(prompts, comps.texts, answer=answers)
-    fmt += rewards_lib.format_exact(prompts, comps.texts)
-    rows += [{"question": r["question"], "answer": r["answer"], "completion": t,
-              "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
-  result = {"mean_reward": float(np.mean(totals)), "accuracy": float(np.mean(correct)),
-            "format_rate": float(np.mean(fmt)), "n": len(records)}
-  return result, rows
+class _Groups(NamedTuple):
+  """One sampling round on the host: B prompts x G completions, scored."""
+
+  records: list
+  comps: Completions
+  prompt: np.ndarray  # [B, P] left-padded
+  prompt_valid: np.ndarray
+  total: np.ndarray  # [B * G] reward (overlong penalty included)
+  per_fn: dict  # reward function name -> [B * G]
+  correct: np.ndarray  # [B * G] 0/1
+  formatted: np.ndarray  # [B * G] 0/1
+  seconds: float
 
 
-def _print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
-  if jax.process_index() != 0:
-    return
-  tqdm.write(f"[{tag}] held-out ({result['n']}): mean reward {result['mean_reward']:.3f}  "
-             f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}")
-  for r in rows[:n_samples]:
-    tqdm.write(f"  Q: {r['question']}\n  A: {r['completion']!r}  (reward {r['reward']:.2f}, "
-               f"reference {r['answer']})")
-
-
-def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: list[dict],
-            key: jax.Array) -> tuple[Batch, dict]:
-  """Samples G completions per prompt, scores them and builds the training batch."""
+def _sample_round(setup: Setup, sampler: Sampler, lora, records, key) -> _Groups:
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in records]
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   t0 = time.perf_counter()
   comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g)
-  t_sample = time.perf_counter() - t0
+  seconds = time.perf_counter() - t0
   rep = lambda xs: [x for x in xs for _ in range(g)]
-  answers = rep([r["answer"] for r in records])
-  total, per_fn = setup.rewards(rep(prompts), comps.texts, answer=answers)
-  adv = np.asarray(grpo.group_advantages(jnp.asarray(total), g, cfg.grpo.scale_rewards))
-  host = build_batch(p_tok, p_mask, comps, adv)
+  prompts, answers = rep(prompts), rep([r["answer"] for r in records])
+  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers)
+  o = cfg.grpo
+  if o.overlong_buffer:
+    per_fn["overlong"] = rewards_lib.overlong(comps.mask.sum(1), cfg.rollout.max_new_tokens,
+                                              o.overlong_buffer, o.overlong_penalty)
+    total = total + per_fn["overlong"]
+  score = lambda fn: np.asarray(fn(prompts, comps.texts, answer=answers), np.float32)
+  return _Groups(list(records), comps, p_tok, p_mask, total, per_fn,
+                 score(rewards_lib.correct), score(rewards_lib.format_exact), seconds)
+
+
+def _informative(groups: _Groups, g: int) -> np.ndarray:
+  """[B] bool: the groups whose rewards differ (the others have zero advantage everywhere)."""
+  return np.ptp(groups.total.reshape(-1, g), axis=1) > 0
+
+
+def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: list[dict],
+            key: jax.Array, draw=None) -> tuple[Batch, dict]:
+  """Samples G completions per prompt, scores them and builds the training batch. With
+  `grpo.dynamic_sampling`, groups of equal rewards are dropped and `draw()` gives more prompts
+  (a batch at a time) until the batch is full of informative groups or
+  `grpo.max_sample_batches` rounds were drawn; short of that, dropped groups fill it with
+  their loss masked out (static shapes, no recompile)."""
+  cfg, g, b = setup.cfg, setup.cfg.rollout.num_generations, len(records)
+  rounds = [_sample_round(setup, sampler, lora, records, key)]
+  if cfg.grpo.dynamic_sampling and draw is not None:
+    while (sum(_informative(r, g).sum() for r in rounds) < b
+           and len(rounds) < cfg.grpo.max_sample_batches):
+      rounds.append(_sample_round(setup, sampler, lora, draw(),
+                                  jax.random.fold_in(key, len(rounds))))
+  chosen, train = [(rounds[0], i) for i in range(b)], [True] * b
+  if cfg.grpo.dynamic_sampling:  # informative groups first, then fillers that carry no loss
+    ranked = sorted(((not ok, k, i) for k, r in enumerate(rounds)
+                     for i, ok in enumerate(_informative(r, g))))[:b]
+    chosen = [(rounds[k], i) for _, k, i in ranked]
+    train = [not dropped for dropped, _, _ in ranked]
+  host = _assemble(cfg, chosen, g, train, setup.tokenizer.pad_id)
   batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
   fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
                                       batch["completion"], batch["completion_mask"])
@@ -75,39 +90,75 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
     batch["old_logp"] = fwd(lora)
   batch["ref_logp"] = (fwd(lora_lib.zeros_like(lora)) if cfg.grpo.beta > 0
                        else jnp.zeros_like(batch["old_logp"]))
-  correct = rewards_lib.correct(prompts, comps.texts, answer=answers)
-  metrics = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
-             **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
-             **{f"reward_std/{k}": float(v.std()) for k, v in per_fn.items()},
-             "accuracy": float(np.mean(correct)),
-             "format_rate": float(np.mean(rewards_lib.format_exact(prompts, comps.texts))),
-             "completion_length": float(comps.mask.sum(1).mean()),
-             "rollout_tokens_per_s": float(comps.mask.sum() / t_sample),
-             "rollout_s": t_sample,
-             "tokens": int(host["prompt_valid"].sum() * g + comps.mask.sum())}
-  metrics["samples"] = [{"question": records[i // g]["question"], "completion": comps.texts[i],
-                         "reward": float(total[i])} for i in range(0, len(comps.texts), g)]
+  metrics = _rollout_metrics(rounds, g, sum(train))
+  metrics["tokens"] = int(sum(r.prompt_valid.sum() * g + r.comps.mask.sum() for r in rounds))
+  metrics["samples"] = [{"question": r.records[i]["question"], "completion":
+                         r.comps.texts[i * g], "reward": float(r.total[i * g])}
+                        for r, i in chosen]
   return Batch(**batch), metrics
+
+
+def _assemble(cfg: Config, chosen, g: int, train: list[bool], pad_id: int) -> dict:
+  """Host arrays for the batch from (round, group) picks; prompts left-padded to the widest
+  round's width. `train[j]` False (dynamic sampling's fillers) masks group j's loss out, as
+  `grpo.mask_truncated_completions` masks rows that never stopped."""
+  width = max(r.prompt.shape[1] for r, _ in chosen)
+  pad = lambda x, v: np.concatenate([np.full((x.shape[0], width - x.shape[1]), v, x.dtype), x],
+                                    axis=1)
+  rows = lambda x, i: x[i * g:(i + 1) * g]
+  prompt = np.stack([pad(r.prompt, pad_id)[i] for r, i in chosen])
+  valid = np.stack([pad(r.prompt_valid, False)[i] for r, i in chosen])
+  comps = Completions(*(np.concatenate([rows(getattr(r.comps, f), i) for r, i in chosen])
+                        for f in ("tokens", "mask", "logprobs")), texts=[],
+                      stopped=np.concatenate([rows(r.comps.stopped, i) for r, i in chosen]))
+  total = np.concatenate([rows(r.total, i) for r, i in chosen])
+  adv = np.asarray(grpo.group_advantages(
+      jnp.asarray(total), g, cfg.grpo.scale_rewards,
+      ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
+  host = build_batch(prompt, valid, comps, adv)
+  keep = np.repeat(np.asarray(train, bool), g)
+  if cfg.grpo.mask_truncated_completions:
+    keep = keep & comps.stopped
+  host["completion_mask"] = host["completion_mask"] & keep[:, None]
+  return host
+
+
+def _rollout_metrics(rounds: list[_Groups], g: int, kept: int) -> dict:
+  """Rewards and lengths over every completion drawn this step; how many groups carried a
+  gradient."""
+  cat = lambda f: np.concatenate([f(r) for r in rounds])
+  total = cat(lambda r: r.total)
+  per_fn = {k: cat(lambda r: r.per_fn[k]) for k in rounds[0].per_fn}
+  lengths = cat(lambda r: r.comps.mask.sum(1))
+  stopped = cat(lambda r: r.comps.stopped)
+  zero_std = cat(lambda r: ~_informative(r, g))
+  seconds = sum(r.seconds for r in rounds)
+  return {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
+          **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+          **{f"reward_std/{k}": float(v.std()) for k, v in per_fn.items()},
+          "accuracy": float(cat(lambda r: r.correct).mean()),
+          "format_rate": float(cat(lambda r: r.formatted).mean()),
+          "completion_length": float(lengths.mean()),
+          "completion_length/min": float(lengths.min()),
+          "completion_length/max": float(lengths.max()),
+          "completion_length/stopped": float(lengths[stopped].mean()) if stopped.any() else 0.0,
+          "truncated_rate": float(1.0 - stopped.mean()),
+          "frac_reward_zero_std": float(zero_std.mean()),
+          "groups_drawn": len(zero_std), "groups_trained": kept,
+          "refill_rounds": len(rounds) - 1, "rollout_tokens": int(lengths.sum()),
+          "rollout_tokens_per_s": float(lengths.sum() / seconds), "rollout_s": seconds}
 
 
 def checkpoint_tree(state) -> dict:
   return {"step": state.step, "lora": state.lora, "opt_state": state.opt_state, "key": state.key}
 
 
-def eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
-                 tag: str) -> dict:
-  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
-  _print_eval(tag, result, rows, setup.cfg.train.num_log_samples)
-  writer.samples(step, f"eval-{tag}", rows)
-  writer.log(step, {f"eval/{k}": v for k, v in result.items()})
-  return result
-
-
-def grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, records, step: int):
-  """Rollout, then mu optimisation passes on it: (state, metrics)."""
+def grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, data, step: int):
+  """Rollout of the next batch of `data` (an iterator of record batches, drawn again by
+  dynamic sampling), then mu optimisation passes on it: (state, metrics)."""
   t0 = time.perf_counter()
-  batch, metrics = rollout(setup, sampler, trainer, state.lora, records,
-                           jax.random.fold_in(state.key, step))
+  batch, metrics = rollout(setup, sampler, trainer, state.lora, next(data),
+                           jax.random.fold_in(state.key, step), draw=lambda: next(data))
   for _ in range(setup.cfg.grpo.num_iterations):
     state, step_metrics = trainer.train_step(state, batch)
   step_metrics = jax.device_get(step_metrics)
@@ -142,16 +193,6 @@ def restore_lora(setup: Setup, step: int | None = None):
   if found is None:
     raise CheckpointError(f"no checkpoint in {folder} can be read")
   return found[1]["lora"], found[0]
-
-
-def eval_only(cfg: Config) -> dict:
-  setup = build(cfg)
-  lora, step = restore_lora(setup)
-  sampler = Sampler.for_run(setup)
-  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
-  _print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
-              cfg.train.num_log_samples)
-  return result
 
 
 def sample(cfg: Config, question: str, n: int) -> list[str]:

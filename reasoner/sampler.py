@@ -8,8 +8,10 @@ Decoding stops when every row is done (a stop token or stop sequence), or after
 No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages
 and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary blocks.
 
-Returned log-probs are those of the policy itself (temperature 1, no top-k/top-p), the
-quantity GRPO's ratio uses, whatever temperature the tokens were drawn at.
+Returned log-probs are those of the distribution the tokens were drawn from,
+softmax(logits / temperature) over the whole vocabulary (top-k and top-p only narrow the
+draw), as the trainer computes them (`grpo.logprobs: sampling`); or, with `policy_logprobs`,
+of the policy itself at temperature 1.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class SamplingConfig:
   # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
   # logits at a time instead of [rows, V]. None: one block, the faster on the CPU.
   vocab_chunk: int | None = None
+  policy_logprobs: bool = False  # log-probs at temperature 1, not the sampling temperature
 
   @classmethod
   def for_run(cls, cfg: Config, tokenizer, greedy: bool) -> "SamplingConfig":
@@ -62,7 +65,8 @@ class SamplingConfig:
         max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
         temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
         top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
-        stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id)
+        stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id,
+        policy_logprobs=cfg.grpo.logprobs == "policy")
 
 
 class Completions(NamedTuple):
@@ -70,12 +74,12 @@ class Completions(NamedTuple):
   mask: np.ndarray  # [rows, N] bool, True on generated tokens (the stop token included)
   logprobs: np.ndarray  # [rows, N] float32, 0 where mask is False
   texts: list[str]
+  stopped: np.ndarray  # [rows] bool: ended by a stop token or sequence (else truncated)
 
 
 def _pick(z: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """[B, K] candidate logits (sorted descending when top-p applies) -> [B] chosen positions,
-  under temperature and top-p."""
-  z = z / cfg.temperature
+  """[B, K] candidate logits already divided by the temperature (sorted descending when top-p
+  applies) -> [B] chosen positions, under top-p."""
   if cfg.top_p is not None:
     probs = jax.nn.softmax(z, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
@@ -94,7 +98,7 @@ def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.
     z = jnp.take_along_axis(logits, idx, axis=-1)
   else:
     z, idx = logits, None
-  choice = _pick(z, key, cfg)
+  choice = _pick(z / cfg.temperature, key, cfg)
   if idx is None:
     return choice.astype(jnp.int32)
   return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
@@ -102,7 +106,8 @@ def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.
 
 def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingConfig,
                softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
-  """[B, D] final hidden states -> [B] sampled ids and their log-probs under the policy.
+  """[B, D] final hidden states -> [B] sampled ids and their log-probs under softmax(logits /
+  T): T the sampling temperature, or 1 when greedy or `cfg.policy_logprobs`.
 
   Greedy and top-k sampling go through `heads.vocab_topk` (a two-stage top-k, the
   log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
@@ -110,15 +115,17 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
   same key. Plain temperature sampling and top-p alone (a sort of the whole vocabulary) use
   the dense path.
   """
+  t = 1.0 if cfg.temperature == 0 or cfg.policy_logprobs else cfg.temperature
   if cfg.temperature == 0 or cfg.top_k is not None:
     k = 1 if cfg.temperature == 0 else cfg.top_k
-    vals, ids, lse = heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap)
+    vals, ids, lse = heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t)  # z / t
     pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
-           else _pick(vals, key, cfg))
+           else _pick(vals if t == cfg.temperature else vals / cfg.temperature, key, cfg))
     take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
     return take(ids), take(vals) - lse
   z = heads.logits(hidden, emb, softcap)
   tok = sample_token(z, key, cfg)
+  z = z / t
   logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
   return tok, logp
 
@@ -157,7 +164,8 @@ class _Loop(NamedTuple):
 
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, *, cfg: SamplingConfig, num_generations: int):
-  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt).
+  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
+  and [B*G] whether each row stopped (not cut at max_new_tokens).
 
   B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
   are split over 'fsdp', KV heads over 'tp'.
@@ -214,7 +222,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
       done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
       hidden=rep(hidden), cache=cache, key=key)
   out = jax.lax.while_loop(cond, body, init)
-  return out.tokens, out.valid, out.logps
+  return out.tokens, out.valid, out.logps, out.done
 
 
 def default_buckets(max_prompt_tokens: int, smallest: int = 64) -> tuple[int, ...]:
@@ -326,9 +334,9 @@ class Sampler:
     out = self.generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
-    tokens, valid, logps = (to_host(x)[:rows] for x in out)
+    tokens, valid, logps, stopped = (to_host(x)[:rows] for x in out)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
-    return Completions(tokens, valid, logps, texts), prompt_toks, prompt_mask
+    return Completions(tokens, valid, logps, texts, stopped), prompt_toks, prompt_mask
 
 
 def to_host(x: jax.Array) -> np.ndarray:

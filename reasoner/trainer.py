@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reasoner import grpo, heads
+from reasoner import grpo as grpo_lib, heads
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, GRPOConfig, OptimConfig
 from reasoner.models.prompt import completion_hidden
@@ -42,16 +42,19 @@ class Batch(NamedTuple):
   completion: jax.Array  # [B * G, N] sampled tokens, rows grouped by prompt
   completion_mask: jax.Array  # [B * G, N] tokens the loss sees
   advantages: jax.Array  # [B * G]
-  old_logp: jax.Array  # [B * G, N] rollout policy log-probs
+  old_logp: jax.Array  # [B * G, N] pi_old by the trainer (mu > 1; unused when mu == 1)
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
+  sampler_logp: jax.Array  # [B * G, N] the sampler's log-probs of its tokens
 
 
 def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
-                        chunk: int | None = None, mesh=None) -> tuple[jax.Array, jax.Array]:
-  """log p and entropy of each completion token, [B * G, N] (the chunked head, `heads`)."""
+                        chunk: int | None = None, mesh=None,
+                        temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """log p and entropy of each completion token under softmax(logits / temperature),
+  [B * G, N] (the chunked head, `heads`)."""
   hidden = completion_hidden(model, prompt, prompt_valid, completion, completion_mask, mesh)
   return heads.token_logprobs(hidden, model.embedding(), completion, chunk=chunk, mesh=mesh,
-                              softcap=model.logit_softcap)
+                              softcap=model.logit_softcap, temperature=temperature)
 
 
 def make_optimizer(o: OptimConfig, steps: int) -> tuple[optax.GradientTransformation,
@@ -75,9 +78,12 @@ class Trainer:
   compiles (from `abstract_inputs`)."""
 
   def __init__(self, graphdef, base, grpo: GRPOConfig, optim: OptimConfig, *, schedule_steps: int,
-               head_chunk: int | None = None, micro_batch: int | None = None):
+               head_chunk: int | None = None, micro_batch: int | None = None,
+               temperature: float = 1.0):
     self.graphdef, self.base, self.grpo = graphdef, base, grpo
-    self.clip = dict(epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high, beta=grpo.beta)
+    self.obj = grpo_lib.Objective.from_config(grpo)
+    # Log-probs of softmax(logits / temperature): the rollouts' sampling distribution.
+    self.temperature = temperature
     self.head_chunk, self.micro_batch = head_chunk, micro_batch
     # The head chunks tokens per chip of this mesh (base may be abstract, as in `plan`).
     self.mesh = getattr(jax.tree.leaves(base)[0].sharding, "mesh", None)
@@ -93,7 +99,8 @@ class Trainer:
   def for_run(cls, graphdef, base, cfg: Config, **overrides) -> "Trainer":
     """The run's trainer; `overrides` replace keyword settings (the planner's `micro_batch`)."""
     kw = dict(schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
-              head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch)
+              head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch,
+              temperature=logprob_temperature(cfg))
     return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
@@ -128,7 +135,7 @@ class Trainer:
     batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
                   s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
                   s((rows,), jnp.float32), s((rows, new_tokens), jnp.float32),
-                  s((rows, new_tokens), jnp.float32))
+                  s((rows, new_tokens), jnp.float32), s((rows, new_tokens), jnp.float32))
     return self.base, state, batch
 
   def logprobs(self, lora, prompt, prompt_valid, completion, completion_mask) -> jax.Array:
@@ -146,23 +153,25 @@ class Trainer:
   def _completion_logprobs(self, base, lora, *batch):
     def fwd(params, micro):
       return (), completion_logprobs(nnx.merge(self.graphdef, *params), *micro,
-                                     chunk=self.head_chunk, mesh=self.mesh)[0]
+                                     chunk=self.head_chunk, mesh=self.mesh,
+                                     temperature=self.temperature)[0]
 
     return self._in_micro_batches(fwd, (lora, base), tuple(batch), ())[1]
 
-  def _grads(self, base, lora, batch: Batch, weights: jax.Array):
+  def _grads(self, base, lora, batch: Batch, weights: jax.Array, seq_log_ratio: jax.Array):
     """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
     hold the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients
-    of micro-batches add up to the batch's."""
+    of micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
     def loss_fn(model):
       hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
                                  batch.completion_mask, self.mesh)
-      adv = jnp.broadcast_to(batch.advantages[:, None], batch.old_logp.shape)
+      row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
       loss, logp, entropy = heads.fused_token_loss(
           hidden, model.embedding(), batch.completion, weights,
-          functools.partial(grpo.token_loss, **self.clip),
-          (batch.old_logp, batch.ref_logp, adv), chunk=self.head_chunk,
-          mesh=self.mesh, softcap=model.logit_softcap)
+          functools.partial(grpo_lib.token_loss, obj=self.obj),
+          (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
+           row(seq_log_ratio)), chunk=self.head_chunk, mesh=self.mesh,
+          softcap=model.logit_softcap, temperature=self.temperature)
       return loss, (logp, entropy)
 
     # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
@@ -196,19 +205,24 @@ class Trainer:
     return totals, jax.tree.map(lambda x: join_micro(x, b), rows)
 
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    weights = grpo.token_weights(batch.completion_mask, self.grpo.loss_agg)  # the whole batch's
+    mask = batch.completion_mask
+    weights = grpo_lib.token_weights(mask, self.grpo.loss_agg)  # the whole batch's
+    seq = jnp.zeros(batch.advantages.shape, jnp.float32)
+    if self.obj.sequence and not self.obj.on_policy:  # GSPO's row ratios need logp first
+      now = self._completion_logprobs(base, state.lora, *batch[:4])
+      seq = grpo_lib.sequence_log_ratio(now, batch.old_logp, mask)
     like = (jnp.zeros((), jnp.float32), state.lora)
     (loss, grads), (logp, entropy) = self._in_micro_batches(
         lambda params, micro: self._grads(*params, *micro), (base, state.lora),
-        (batch, weights), like)
+        (batch, weights, seq), like)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     m = batch.completion_mask.astype(jnp.float32)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": self.schedule(state.step),
                "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
-               **grpo.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
-                                     batch.completion_mask, **self.clip)}
+               **grpo_lib.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                                         mask, batch.sampler_logp, seq, obj=self.obj)}
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), metrics
 
 
@@ -236,9 +250,15 @@ def join_micro(x: jax.Array, prompts: int) -> jax.Array:
   return y.reshape(prompts * c, *x.shape[2:])
 
 
+def logprob_temperature(cfg: Config) -> float:
+  """The temperature of the log-probs GRPO uses (`grpo.logprobs`): the rollouts' or 1."""
+  return cfg.rollout.temperature if cfg.grpo.logprobs == "sampling" else 1.0
+
+
 def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions,
                 advantages: np.ndarray) -> dict[str, np.ndarray]:
-  """Host arrays for `Batch` (without ref_logp)."""
+  """Host arrays for `Batch` (without ref_logp; old_logp is the sampler's until the trainer's
+  own forward replaces it)."""
   return {
       "prompt": prompt_tokens.astype(np.int32),
       "prompt_valid": prompt_mask,
@@ -246,4 +266,5 @@ def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions,
       "completion_mask": completions.mask,
       "advantages": advantages.astype(np.float32),
       "old_logp": completions.logprobs.astype(np.float32),
+      "sampler_logp": completions.logprobs.astype(np.float32),
   }

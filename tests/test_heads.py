@@ -11,13 +11,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from reasoner import grpo, heads
 
-EPS = dict(epsilon_low=0.2, epsilon_high=0.28)
 
 
-def dense(h, e, y, softcap=None):
+def objective(beta, **options):
+  """Off-policy (the old log-probs given), so that the ratio and its clipping are exercised."""
+  return grpo.Objective(epsilon_low=0.2, epsilon_high=0.28, beta=beta, on_policy=False,
+                        **options)
+
+
+def dense(h, e, y, softcap=None, temperature=1.0):
   z = jnp.einsum("btd,vd->btv", h, e)
   if softcap:
     z = jnp.tanh(z / softcap) * softcap
+  z = z / temperature
   logp_all = jax.nn.log_softmax(z, -1)
   logp = jnp.take_along_axis(logp_all, y[..., None], -1)[..., 0]
   ent = -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
@@ -38,18 +44,28 @@ def problem(b, t, v=97, d=16, seed=0):
   return h, e, y, mask, old, ref, adv
 
 
-def dense_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap):
-  logp, ent = dense(h, e, y, softcap)
-  loss, _ = grpo.policy_loss(logp, old, ref, adv, mask, beta=beta, loss_agg=agg, **EPS)
+def dense_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, temperature=1.0,
+               **options):
+  logp, ent = dense(h, e, y, softcap, temperature)
+  loss, _ = grpo.policy_loss(logp, old, ref, adv, mask, obj=objective(beta, **options),
+                             loss_agg=agg, sampler_logp=(old + ref) / 2)
   return loss, (logp, ent)
 
 
-def fused_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, chunk=None, mesh=None):
-  fn = functools.partial(grpo.token_loss, beta=beta, **EPS)
-  a = jnp.broadcast_to(adv[:, None], old.shape)
-  loss, logp, ent = heads.fused_token_loss(h, e, y, grpo.token_weights(mask, agg), fn,
-                                           (old, ref, a), chunk=chunk, mesh=mesh,
-                                           softcap=softcap)
+def fused_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, chunk=None, mesh=None,
+               temperature=1.0, **options):
+  """The trainer's use of the fused head: GSPO's row ratios from a forward pass first."""
+  obj = objective(beta, **options)
+  row = lambda x: jnp.broadcast_to(x[:, None], old.shape)
+  seq = jnp.zeros(adv.shape)
+  if obj.sequence:
+    logp = jax.lax.stop_gradient(heads.token_logprobs(h, e, y, softcap=softcap,
+                                                      temperature=temperature)[0])
+    seq = grpo.sequence_log_ratio(logp, old, mask)
+  loss, logp, ent = heads.fused_token_loss(
+      h, e, y, grpo.token_weights(mask, agg), functools.partial(grpo.token_loss, obj=obj),
+      (old, ref, row(adv), (old + ref) / 2, row(seq)), chunk=chunk, mesh=mesh,
+      softcap=softcap, temperature=temperature)
   return loss, (logp, ent)
 
 
@@ -59,30 +75,36 @@ def assert_close_grads(ours, ref, rtol=1e-4):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=rtol, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("b,t,chunk,softcap", [(3, 7, 4, None), (2, 5, 64, 30.0), (1, 1, 3, None)])
-def test_chunked_logprobs_match_dense(b, t, chunk, softcap):
+@pytest.mark.parametrize("b,t,chunk,softcap,temperature",
+                         [(3, 7, 4, None, 1.0), (2, 5, 64, 30.0, 0.7), (1, 1, 3, None, 1.5)])
+def test_chunked_logprobs_match_dense(b, t, chunk, softcap, temperature):
   h, e, y, *_ = problem(b, t)
   w = jax.random.normal(jax.random.key(9), (b, t))
-  lp, ent = heads.token_logprobs(h, e, y, chunk=chunk, softcap=softcap)
-  lp_d, ent_d = dense(h, e, y, softcap)
+  kw = dict(chunk=chunk, softcap=softcap, temperature=temperature)
+  lp, ent = heads.token_logprobs(h, e, y, **kw)
+  lp_d, ent_d = dense(h, e, y, softcap, temperature)
   np.testing.assert_allclose(lp, lp_d, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ent, ent_d, rtol=1e-5, atol=1e-5)
   f = lambda fn: lambda h, e: jnp.sum(fn(h, e)[0] * w)  # entropy is a stop-gradient metric
-  ours = jax.grad(f(lambda h, e: heads.token_logprobs(h, e, y, chunk=chunk, softcap=softcap)),
-                  argnums=(0, 1))(h, e)
-  ref = jax.grad(f(lambda h, e: dense(h, e, y, softcap)), argnums=(0, 1))(h, e)
+  ours = jax.grad(f(lambda h, e: heads.token_logprobs(h, e, y, **kw)), argnums=(0, 1))(h, e)
+  ref = jax.grad(f(lambda h, e: dense(h, e, y, softcap, temperature)), argnums=(0, 1))(h, e)
   assert_close_grads(ours, ref)
 
 
-@pytest.mark.parametrize("b,t,chunk,softcap,beta,agg", [
-    (3, 7, 4, None, 0.0, "token-mean"),  # 21 tokens: the last chunk is padded
-    (2, 5, 3, 30.0, 0.04, "sequence-mean-token-mean"),  # soft cap, KL, padding
-    (4, 9, None, 5.0, 0.1, "sequence-mean-token-sum-norm"),  # automatic chunk, a tight cap
-    (1, 1, 8, None, 0.04, "token-mean"),
+@pytest.mark.parametrize("b,t,chunk,softcap,beta,agg,options", [
+    (3, 7, 4, None, 0.0, "token-mean", {}),  # 21 tokens: the last chunk is padded
+    (2, 5, 3, 30.0, 0.04, "sequence-mean-token-mean", {}),  # soft cap, KL, padding
+    (4, 9, None, 5.0, 0.1, "sequence-mean-token-scale", {}),  # automatic chunk, a tight cap
+    (1, 1, 8, None, 0.04, "token-mean", {}),
+    # the sampling temperature, through the soft cap too; GSPO; k1; sampler IS
+    (3, 7, 4, 30.0, 0.04, "sequence-mean-token-sum-norm", {"temperature": 0.7}),
+    (3, 6, 4, None, 0.04, "sequence-mean-token-mean", {"temperature": 1.3, "sequence": True,
+                                                         "kl": "k1"}),
+    (3, 5, None, 5.0, 0.0, "token-mean", {"temperature": 0.6, "sampler_is_cap": 1.2}),
 ])
-def test_fused_loss_matches_dense(b, t, chunk, softcap, beta, agg):
+def test_fused_loss_matches_dense(b, t, chunk, softcap, beta, agg, options):
   args = problem(b, t, seed=b + t)
-  kw = dict(beta=beta, agg=agg, softcap=softcap)
+  kw = dict(beta=beta, agg=agg, softcap=softcap, **options)
   (loss, (lp, ent)), grads = jax.jit(jax.value_and_grad(
       lambda h, e: fused_loss(h, e, *args[2:], chunk=chunk, **kw), argnums=(0, 1),
       has_aux=True))(*args[:2])
@@ -196,12 +218,14 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
   np.testing.assert_array_equal(ids, ids_d)
 
 
-@pytest.mark.parametrize("vocab_chunk,softcap", [(None, None), (16, None), (40, 30.0)])
-def test_topk_matches_dense(vocab_chunk, softcap):
+@pytest.mark.parametrize("vocab_chunk,softcap,temperature",
+                         [(None, None, 1.0), (16, None, 0.7), (40, 30.0, 1.0), (40, 30.0, 0.5)])
+def test_topk_matches_dense(vocab_chunk, softcap, temperature):
   h, e, *_ = problem(3, 7, v=97)
   h = h.reshape(-1, h.shape[-1])  # the sampler's [rows, D]
-  vals, ids, lse = heads.vocab_topk(h, e, 5, vocab_chunk, softcap)
-  z = heads.logits(h, e, softcap)
+  vals, ids, lse = heads.vocab_topk(h, e, 5, vocab_chunk, softcap, temperature)
+  z = jnp.einsum("cd,vd->cv", h, e)
+  z = (jnp.tanh(z / softcap) * softcap if softcap else z) / temperature
   vals_d, ids_d = jax.lax.top_k(z, 5)
   np.testing.assert_allclose(vals, vals_d, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(ids, ids_d)

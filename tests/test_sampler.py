@@ -132,17 +132,30 @@ def test_batch_of_one_is_not_truncated(setup):
   assert comps.tokens.shape == (1, 5) and comps.mask.sum() == 5
 
 
-def test_sampled_logprobs_equal_trainer_logprobs(setup):
+@pytest.mark.parametrize("temperature,logprobs,top_k", [
+    (1.0, "sampling", 20), (0.7, "sampling", 20), (0.7, "sampling", None), (0.7, "policy", 20)])
+def test_sampled_logprobs_equal_trainer_logprobs(setup, temperature, logprobs, top_k):
+  """The first pass's ratio pi_trainer / pi_sampler is 1 within float rounding: both take the
+  log-probs of softmax(z / T) (`grpo.logprobs: sampling`) or both of the policy at T = 1
+  (`policy`). The other choice's log-probs are far from the sampler's."""
+  other = {"sampling": "policy", "policy": "sampling"}[logprobs]
+  run = lambda lp: dataclasses.replace(
+      setup.cfg, rollout=dataclasses.replace(setup.cfg.rollout, temperature=temperature,
+                                             top_k=top_k),
+      grpo=dataclasses.replace(setup.cfg.grpo, logprobs=lp))
+  cfg = dataclasses.replace(SamplingConfig.for_run(run(logprobs), setup.tokenizer, greedy=False),
+                            max_new_tokens=7, vocab_chunk=100, stop_ids=(), stop_sequences=())
   sampler = Sampler(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh, 64)
-  cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_k=20, vocab_chunk=100)
   comps, tok, mask = sampler.sample((setup.lora, setup.base), ["Q: 3 + 4?", "Q: 9?"],
                                     jax.random.PRNGKey(3), cfg, num_generations=4)
-  assert comps.tokens.shape == (8, 7)
+  assert comps.tokens.shape == (8, 7) and comps.stopped.sum() == 0  # cut at 7 tokens
   b = build_batch(tok, mask, comps, np.zeros(8))
-  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
-  lp = np.asarray(trainer.logprobs(setup.lora, b["prompt"], b["prompt_valid"], b["completion"],
-                                   b["completion_mask"]))
-  np.testing.assert_allclose(lp[comps.mask], comps.logprobs[comps.mask], atol=2e-4)
+  lp = lambda lp: np.asarray(Trainer.for_run(setup.graphdef, setup.base, run(lp)).logprobs(
+      setup.lora, b["prompt"], b["prompt_valid"], b["completion"], b["completion_mask"])
+  )[comps.mask]
+  np.testing.assert_allclose(lp(logprobs), comps.logprobs[comps.mask], atol=2e-4)
+  if temperature != 1.0:  # the tiny model's logits are near uniform: T moves them little
+    assert np.abs(lp(other) - comps.logprobs[comps.mask]).mean() > 50 * 2e-4
   # rows of one group differ (sampling), and the group shares the prompt
   assert len({tuple(r) for r in comps.tokens[:4]}) > 1
 
@@ -160,13 +173,16 @@ def test_next_token_equals_dense(cfg, softcap, vocab, vocab_chunk):
   h = jax.random.normal(jax.random.key(0), (6, 16))
   emb = jax.random.normal(jax.random.key(1), (vocab, 16))
   z = heads.logits(h, emb, softcap)
+  t = cfg.temperature or 1.0  # log-probs of softmax(z / T); greedy: of the policy
   for seed in range(4):
     key = jax.random.PRNGKey(seed)
-    cfg_v = dataclasses.replace(cfg, vocab_chunk=vocab_chunk)
-    tok, logp = next_token(h, emb, key, cfg_v, softcap)
     want = sample_token(z, key, cfg)
-    np.testing.assert_array_equal(tok, want)
-    np.testing.assert_allclose(logp, jax.nn.log_softmax(z)[jnp.arange(6), want], atol=1e-5)
+    for policy, temperature in ((False, t), (True, 1.0)):
+      cfg_v = dataclasses.replace(cfg, vocab_chunk=vocab_chunk, policy_logprobs=policy)
+      tok, logp = next_token(h, emb, key, cfg_v, softcap)
+      np.testing.assert_array_equal(tok, want)
+      np.testing.assert_allclose(
+          logp, jax.nn.log_softmax(z / temperature)[jnp.arange(6), want], atol=1e-5)
 
 
 def test_stop_token_and_stop_sequence_end_rows_early(setup):

@@ -51,9 +51,10 @@ def test_step_moves_lora_and_leaves_base_bit_identical(setup):
   assert {"kl", "clip_fraction", "entropy", "loss"} <= set(m)
 
 
-def dense_completion_logprobs(model, prompt, prompt_valid, completion, completion_mask):
+def dense_completion_logprobs(model, prompt, prompt_valid, completion, completion_mask,
+                              temperature=1.0):
   """Reference: every row's whole sequence through the model (Tunix's attention, left to
-  autodiff), full [R, T, V] log-softmax."""
+  autodiff), full [R, T, V] log-softmax of the logits / temperature."""
   from reasoner import heads
   from reasoner.models.cache import causal_mask, positions_from_mask
 
@@ -62,7 +63,7 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
   valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], 1)
   h, _ = model.hidden_states(tokens[:, :-1], positions_from_mask(valid[:, :-1]), None,
                              causal_mask(valid[:, :-1]), tunix_attention=True)
-  z = jax.nn.log_softmax(heads.logits(h, model.embedding()), -1)
+  z = jax.nn.log_softmax(heads.logits(h, model.embedding()) / temperature, -1)
   n = completion.shape[1]
   return jnp.take_along_axis(z[:, -n:], completion[..., None], -1)[..., 0]
 
@@ -130,7 +131,8 @@ def random_batch(setup, prompts: int, g: int, seed: int = 0):
   host = dict(prompt=rng.integers(3, 200, (prompts, p)), prompt_valid=prompt_valid,
               completion=rng.integers(3, 200, (rows, n)), completion_mask=cmask,
               advantages=rng.normal(size=rows), old_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)),
-              ref_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)))
+              ref_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)),
+              sampler_logp=-5.5 + 0.3 * rng.normal(size=(rows, n)))
   host = {k: v.astype(np.int32 if k in ("prompt", "completion") else
                       bool if "valid" in k or "mask" in k else np.float32)
           for k, v in host.items()}
@@ -157,8 +159,9 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
     trainer = Trainer.for_run(setup.graphdef, setup.base, c)
     k = trainer.micro_steps(4)
     assert k == (4 // micro if micro else 1)
+    seq = jnp.zeros(batch.advantages.shape)
     grads = jax.jit(lambda b, l, x, w: trainer._in_micro_batches(  # ((loss, grads), rows)
-        lambda p, m: trainer._grads(*p, *m), (b, l), (x, w), (jnp.zeros(()), l))[0][1])(
+        lambda p, m: trainer._grads(*p, *m), (b, l), (x, w, seq), (jnp.zeros(()), l))[0][1])(
             setup.base, lora, batch, weights)
     logp = trainer.logprobs(lora, *batch[:4])
     state = trainer.init_state(jax.tree.map(jnp.copy, lora), jax.random.PRNGKey(0))
@@ -178,6 +181,42 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
     scale = max(np.abs(b).max() for b in jax.tree.leaves(ref_grads))
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
       np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("overrides", [
+    # GSPO off-policy: its row ratios from a forward pass before the fused one
+    ("grpo.num_iterations=2", "grpo.importance_sampling=sequence", "grpo.beta=0.04"),
+    # the sampling temperature's log-probs, sampler IS, k1, Tunix's sum-norm, micro-batches
+    ("rollout.temperature=0.7", "grpo.sampler_is=token", "grpo.sampler_is_cap=1.2",
+     "grpo.kl_estimator=k1", "grpo.beta=0.04", "grpo.loss_agg=sequence-mean-token-scale",
+     "train.micro_batch=2"),
+])
+def test_step_loss_and_metrics_equal_the_dense_objective(setup, overrides):
+  """The train step's loss and metrics against `grpo.policy_loss` over log-probs from a dense
+  forward of the whole sequences (the logits / T of the configured temperature)."""
+  from reasoner import grpo
+  from reasoner.trainer import logprob_temperature
+
+  cfg = tiny_config("rollout.num_generations=4", "train.batch_size=4", *overrides)
+  batch = random_batch(setup, prompts=4, g=4, seed=3)
+  lora = jax.tree.map(lambda x: x + 0.05, setup.lora)
+  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
+  t = logprob_temperature(cfg)
+  assert trainer.temperature == t == (0.7 if "rollout.temperature=0.7" in overrides else 1.0)
+  model = nnx.merge(setup.graphdef, lora, setup.base)
+  logp = dense_completion_logprobs(model, *batch[:4], temperature=t)
+  want, want_m = grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                                  batch.completion_mask, obj=trainer.obj,
+                                  loss_agg=cfg.grpo.loss_agg, sampler_logp=batch.sampler_logp)
+  np.testing.assert_allclose(np.asarray(trainer.logprobs(lora, *batch[:4]))[
+      np.asarray(batch.completion_mask)], np.asarray(logp)[np.asarray(batch.completion_mask)],
+                             rtol=1e-5, atol=1e-5)
+  state = trainer.init_state(jax.tree.map(jnp.copy, lora), jax.random.PRNGKey(0))
+  _, m = trainer.train_step(state, batch)
+  assert float(m["loss"]) == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+  for k, v in want_m.items():
+    assert float(m[k]) == pytest.approx(float(v), rel=1e-4, abs=1e-6), k
+  assert float(want_m["sampler_mismatch_mean"]) > 0
 
 
 def test_micro_batch_must_divide_the_batch(setup):

@@ -1,0 +1,124 @@
+"""Held-out evaluation: greedy decoding (mean reward, accuracy, format rate) and, with
+`eval.samples` = n > 0, n sampled completions per question at the rollouts' settings: pass@k
+for each k of `eval.pass_k` (the unbiased estimator of Chen et al. 2021) and majority-vote
+accuracy (the most frequent extracted answer against the reference).
+
+`python -m reasoner eval` runs `eval_only`; the training loop logs `eval_logged` before, every
+`train.eval_every` steps and after training.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from reasoner import rewards as rewards_lib
+from reasoner.build import Setup, build
+from reasoner.config import Config
+from reasoner.data import prompts as prompts_lib
+from reasoner.metrics import MetricsWriter
+from reasoner.run import restore_lora
+from reasoner.sampler import Sampler, SamplingConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """P(at least one of k completions drawn without replacement from n, c of them correct, is
+  correct) = 1 - C(n - c, k) / C(n, k): unbiased for the model's pass@k given n samples."""
+  if not 0 < k <= n:
+    raise ValueError(f"pass@{k} needs 1 <= k <= n = {n}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(completions: list[str], reference: str) -> float:
+  """1 when the most frequent extracted answer (ties: the first seen) matches the reference;
+  completions without an answer do not vote."""
+  answers = [a for a in map(rewards_lib.extract_answer, completions) if a]
+  if not answers:
+    return 0.0
+  top = collections.Counter(answers).most_common(1)[0][0]
+  return float(rewards_lib.answers_match(top, str(reference)))
+
+
+def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple[dict, list]:
+  """Greedy decoding on held-out records: mean reward, accuracy and format rate; with
+  `eval.samples`, pass@k and majority-vote accuracy too. Rows: the greedy completions."""
+  cfg = setup.cfg
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=True)
+  totals, correct, fmt, rows = [], [], [], []
+  for i in range(0, len(records), cfg.eval.batch_size):
+    chunk = records[i:i + cfg.eval.batch_size]
+    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
+    comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
+    answers = [r["answer"] for r in chunk]
+    total, _ = setup.rewards(prompts, comps.texts, answer=answers)
+    totals += total.tolist()
+    correct += rewards_lib.correct(prompts, comps.texts, answer=answers)
+    fmt += rewards_lib.format_exact(prompts, comps.texts)
+    rows += [{"question": r["question"], "answer": r["answer"], "completion": t,
+              "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
+  result = {"mean_reward": float(np.mean(totals)), "accuracy": float(np.mean(correct)),
+            "format_rate": float(np.mean(fmt)), "n": len(records)}
+  if cfg.eval.samples:
+    result.update(sampled(setup, sampler, lora, records))
+  return result, rows
+
+
+def sampled(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> dict:
+  """pass@k (each k of `eval.pass_k`) and majority-vote accuracy over `eval.samples`
+  completions a question, sampled as rollouts are (temperature, top-k, top-p)."""
+  cfg, n = setup.cfg, setup.cfg.eval.samples
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
+  scfg = dataclasses.replace(scfg, max_new_tokens=cfg.eval.max_new_tokens)
+  per = max(1, cfg.eval.batch_size // n)
+  hits, votes = [], []
+  for i in range(0, len(records), per):
+    chunk = records[i:i + per]
+    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), i)
+    comps, _, _ = sampler.sample((lora, setup.base), prompts, key, scfg, n)
+    for j, r in enumerate(chunk):
+      texts = comps.texts[j * n:(j + 1) * n]
+      hits.append(int(sum(rewards_lib.correct(prompts, texts, answer=[r["answer"]] * n))))
+      votes.append(majority_correct(texts, r["answer"]))
+  out = {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in hits]))
+         for k in cfg.eval.pass_k}
+  return {**out, "majority": float(np.mean(votes))}
+
+
+def print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
+  if jax.process_index() != 0:
+    return
+  extra = "".join(f"  {k} {v:.3f}" for k, v in result.items()
+                  if k.startswith("pass@") or k == "majority")
+  tqdm.write(f"[{tag}] held-out ({result['n']}): mean reward {result['mean_reward']:.3f}  "
+             f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}"
+             f"{extra}")
+  for r in rows[:n_samples]:
+    tqdm.write(f"  Q: {r['question']}\n  A: {r['completion']!r}  (reward {r['reward']:.2f}, "
+               f"reference {r['answer']})")
+
+
+def eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
+                tag: str) -> dict:
+  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
+  print_eval(tag, result, rows, setup.cfg.train.num_log_samples)
+  writer.samples(step, f"eval-{tag}", rows)
+  writer.log(step, {f"eval/{k}": v for k, v in result.items()})
+  return result
+
+
+def eval_only(cfg: Config) -> dict:
+  setup = build(cfg)
+  lora, step = restore_lora(setup)
+  sampler = Sampler.for_run(setup)
+  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
+  print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
+             cfg.train.num_log_samples)
+  return result

@@ -1,0 +1,149 @@
+"""The rollout on the tiny model: dynamic sampling, truncated completions, length metrics."""
+
+import dataclasses
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from reasoner import rewards as rewards_lib
+from reasoner.build import build
+from reasoner.config import GRPOConfig
+from reasoner.run import rollout
+from reasoner.sampler import Sampler
+from reasoner.trainer import Trainer
+
+B, G = 4, 4
+
+
+class ParityRewards:
+  """A prompt chosen by its checksum gets each completion's checksum parity as its reward (a
+  group whose completions all share it has zero variance); the others get 0."""
+
+  def __call__(self, prompts, completions, **_):
+    parity = lambda s: float(zlib.crc32(s.encode()) % 2)
+    total = np.asarray([parity(c) if parity(p) else 0.0 for p, c in zip(prompts, completions)],
+                       np.float32)
+    return total, {"parity": total}
+
+
+@pytest.fixture(scope="module")
+def setup():
+  s = build(tiny_config(f"rollout.num_generations={G}", f"train.batch_size={B}",
+                        "rollout.max_new_tokens=6"))
+  return dataclasses.replace(s, rewards=ParityRewards())
+
+
+def _run(setup, **grpo):
+  cfg = dataclasses.replace(setup.cfg, grpo=dataclasses.replace(setup.cfg.grpo, **grpo))
+  s = dataclasses.replace(setup, cfg=cfg)
+  trainer = Trainer.for_run(s.graphdef, s.base, cfg)
+  batches = iter([s.train_records[i:i + B] for i in range(0, 64, B)])
+  drawn = []
+  draw = lambda: drawn.append(next(batches)) or drawn[-1]
+  batch, metrics = rollout(s, Sampler.for_run(s), trainer, s.lora, draw(),
+                           jax.random.PRNGKey(7), draw=draw)
+  return batch, metrics, drawn
+
+
+def test_dynamic_sampling_trains_only_groups_that_carry_a_gradient(setup):
+  off_batch, off, _ = _run(setup)
+  assert off["groups_drawn"] == B and off["refill_rounds"] == 0 and off["groups_trained"] == B
+  assert 0 < off["frac_reward_zero_std"] < 1  # some groups teach nothing
+  assert np.asarray(off_batch.completion_mask).any(1).all()  # off: every row trains
+
+  batch, m, drawn = _run(setup, dynamic_sampling=True, max_sample_batches=6)
+  assert len(drawn) == m["refill_rounds"] + 1 and m["groups_drawn"] == B * len(drawn)
+  informative = round(m["groups_drawn"] * (1 - m["frac_reward_zero_std"]))
+  assert m["groups_trained"] == min(B, informative)
+  if informative >= B:  # it stopped drawing as soon as the batch was full
+    assert m["refill_rounds"] < 5
+  trains = np.asarray(batch.completion_mask).any(1).reshape(B, G)
+  assert (trains.all(1) | ~trains.any(1)).all()  # whole groups
+  assert trains.all(1).sum() == m["groups_trained"]
+  adv = np.asarray(batch.advantages).reshape(B, G)
+  assert (np.abs(adv[trains.all(1)]).max(1) > 0).all()  # each trained group has a signal
+  assert np.asarray(batch.completion).shape == (B * G, 6)  # static shapes
+
+
+def test_dynamic_sampling_bound_trains_on_what_there_is(setup):
+  _, m, drawn = _run(setup, dynamic_sampling=True, max_sample_batches=1)
+  assert len(drawn) == 1 and m["refill_rounds"] == 0
+  assert m["groups_trained"] == round(B * (1 - m["frac_reward_zero_std"]))
+
+
+def test_truncated_completions_can_be_masked(setup):
+  batch, m, _ = _run(setup, mask_truncated_completions=True)
+  rows = np.asarray(batch.completion_mask).any(1)
+  assert m["truncated_rate"] > 0  # the tiny model rarely stops within 6 tokens
+  assert rows.sum() == round(B * G * (1 - m["truncated_rate"]))
+  assert m["completion_length/min"] <= m["completion_length"] <= m["completion_length/max"] <= 6
+
+
+def test_overlong_penalty_by_hand():
+  lengths = np.array([2, 6, 7, 8, 10])
+  p = rewards_lib.overlong(lengths, max_new_tokens=10, buffer=4, penalty=0.5)
+  np.testing.assert_allclose(p, [0, 0, -0.125, -0.25, -0.5])
+  assert not rewards_lib.overlong(lengths, 10, 0, 1.0).any()
+
+
+def test_overlong_penalty_enters_the_reward(setup):
+  _, m, _ = _run(setup, overlong_buffer=4, overlong_penalty=0.5)
+  assert m["reward/overlong"] < 0  # rows cut at 6 tokens pay the whole penalty
+  _, off, _ = _run(setup)
+  assert m["reward/mean"] == pytest.approx(off["reward/mean"] + m["reward/overlong"], abs=1e-6)
+
+
+def test_grpo_options_are_checked():
+  from reasoner.config import ConfigError
+
+  with pytest.raises(ConfigError, match="'grpo.overlong_buffer' = 9: expected at most "
+                                        "rollout.max_new_tokens = 6"):
+    tiny_config("rollout.max_new_tokens=6", "grpo.overlong_buffer=9")
+  with pytest.raises(ConfigError, match="'grpo.importance_sampling' = 'seq'"):
+    tiny_config("grpo.importance_sampling=seq")
+  with pytest.warns(UserWarning, match="now means Tunix's"):
+    GRPOConfig(loss_agg="sequence-mean-token-sum-norm")
+
+
+def test_pass_at_k_by_hand():
+  from reasoner.evaluation import majority_correct, pass_at_k
+
+  assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+  assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+  assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2) / C(4,2) miss it
+  assert pass_at_k(5, 2, 4) == 1.0  # only 3 wrong ones: any 4 include a right one
+  with pytest.raises(ValueError, match="pass@5 needs 1 <= k <= n = 4"):
+    pass_at_k(4, 1, 5)
+  votes = ["<answer>7</answer>", "<answer>8</answer>", "<answer> 7 </answer>", "no answer"]
+  assert majority_correct(votes, "7") == 1.0 and majority_correct(votes, "8") == 0.0
+  assert majority_correct(["none"], "7") == 0.0
+
+
+def test_sampled_evaluation_reports_pass_at_k(setup, monkeypatch):
+  """Correctness by the checksum parity of each completion (the tiny model answers nothing):
+  pass@k from the counts each question got, as the estimator gives them."""
+  from reasoner import evaluation
+  from reasoner.rewards import Rewards
+
+  counts = []
+
+  def parity_correct(prompts, completions, **_):
+    hits = [float(zlib.crc32(c.encode()) % 2) for c in completions]
+    if len(completions) == 4:  # a question's samples (the greedy pass scores 3 at once)
+      counts.append(int(sum(hits)))
+    return hits
+
+  monkeypatch.setattr(evaluation.rewards_lib, "correct", parity_correct)
+  cfg = dataclasses.replace(setup.cfg, eval=dataclasses.replace(
+      setup.cfg.eval, samples=4, pass_k=(1, 2, 4), batch_size=8))
+  s = dataclasses.replace(setup, cfg=cfg, rewards=Rewards(cfg.rewards))
+  result, rows = evaluation.evaluate(s, Sampler.for_run(s), s.lora, s.eval_records[:3])
+  assert result["n"] == 3 and len(rows) == 3 and len(counts) == 3
+  for k in (1, 2, 4):
+    want = np.mean([evaluation.pass_at_k(4, c, k) for c in counts])
+    assert result[f"pass@{k}"] == pytest.approx(want)
+  assert result["pass@1"] == pytest.approx(np.mean(counts) / 4)
+  assert 0 <= result["majority"] <= 1
