@@ -70,12 +70,27 @@ def steps_within(rows: list[dict], budget: int) -> int:
   return n
 
 
+def gradient_share(rows: list[dict]) -> dict:
+  """Of the groups trained on, the share that carried a gradient (rewards not all equal); of
+  the groups drawn, the same; refill rounds and rollout tokens in all."""
+  steps = [r for r in rows if "groups_drawn" in r]
+  drawn = sum(r["groups_drawn"] for r in steps)
+  informative = sum(r["groups_drawn"] * (1 - r["frac_reward_zero_std"]) for r in steps)
+  batch = steps[0]["groups_drawn"] // (steps[0]["refill_rounds"] + 1) * len(steps)
+  trained = sum(min(r["groups_trained"], r["groups_drawn"] * (1 - r["frac_reward_zero_std"]))
+                for r in steps)
+  return {"batch_groups_with_gradient": trained / batch,
+          "drawn_groups_with_gradient": informative / drawn,
+          "groups_drawn": drawn, "refill_rounds": sum(r["refill_rounds"] for r in steps),
+          "rollout_tokens": sum(r["rollout_tokens"] for r in steps)}
+
+
 def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
     rows, wall = {}, {}
-    rows["off"], wall["off"] = train(root, "off", RUNS["off"])
-    rows["on"], wall["on"] = train(root, "on", RUNS["on"] + ["train.eval_before=false"])
+    rows["off"], wall["off"] = train(root, "static", RUNS["off"])
+    rows["on"], wall["on"] = train(root, "dynamic", RUNS["on"] + ["train.eval_before=false"])
   curves = {k: curve(v) for k, v in rows.items()}
   curves["on"] = curves["off"][:1] + curves["on"]  # the same model before training
   budget = curves["off"][-1]["rollout_tokens"]
@@ -83,23 +98,16 @@ def main() -> None:
   on = [p for p in curves["on"] if p["rollout_tokens"] <= budget] or curves["on"][:1]
   reached = next((p for p in on if p["held_out"] >= target), None)
   ratio = reached["rollout_tokens"] / budget if reached else float("inf")
-  steps = [r for r in rows["on"] if "groups_drawn" in r]
-  carried = sum(r["groups_trained"] for r in steps) / max(1, sum(r["groups_drawn"] for r in steps))
-  off_steps = [r for r in rows["off"] if "frac_reward_zero_std" in r]
-  off_carried = 1 - sum(r["frac_reward_zero_std"] for r in off_steps) / max(1, len(off_steps))
-  figures = {"off": {"curve": curves["off"], "wall_s": wall["off"],
-                     "frac_groups_with_gradient": off_carried},
-             "on": {"curve": curves["on"], "wall_s": wall["on"],
-                    "frac_groups_with_gradient": carried,
-                    "steps_within_budget": steps_within(rows["on"], budget),
-                    "refill_rounds": sum(r["refill_rounds"] for r in steps)},
-             "budget_rollout_tokens": budget, "off_final_held_out": target,
-             "on_held_out_within_budget": on[-1]["held_out"],
-             "on_tokens_to_reach_off_final": reached and reached["rollout_tokens"]}
+  stats = {k: gradient_share(v) for k, v in rows.items()}
+  figures = {k: {"curve": curves[k], "wall_s": wall[k], **stats[k]} for k in rows}
+  figures["on"]["steps_within_budget"] = steps_within(rows["on"], budget)
+  figures.update(budget_rollout_tokens=budget, off_final_held_out=target,
+                 on_held_out_within_budget=on[-1]["held_out"],
+                 on_tokens_to_reach_off_final=reached and reached["rollout_tokens"])
   print(common.table([{"run": k, **p} for k in ("off", "on") for p in curves[k]]))
   print(f"off final held-out {target:.3f} at {budget} rollout tokens; on reaches it at "
-        f"{ratio:.2f}x those tokens; groups with a gradient: off {off_carried:.2f}, "
-        f"on {carried:.2f}")
+        f"{ratio:.2f}x those tokens")
+  print(common.table([{"run": k, **stats[k]} for k in stats]))
   path = common.write("learning", figures, {"run": "dynamic sampling off (the default)"},
                       [common.goal("rollout tokens to the off run's final held-out reward, "
                                    "on / off", ratio, 0.7)],
