@@ -34,6 +34,7 @@ class _Groups(NamedTuple):
   per_fn: dict  # reward function name -> [B * G]
   correct: np.ndarray  # [B * G] 0/1
   formatted: np.ndarray  # [B * G] 0/1
+  informative: np.ndarray  # [B] bool: rewards differ (else zero advantage everywhere)
   seconds: float
 
 
@@ -54,12 +55,8 @@ def _sample_round(setup: Setup, sampler: Sampler, lora, records, key) -> _Groups
     total = total + per_fn["overlong"]
   score = lambda fn: np.asarray(fn(prompts, comps.texts, answer=answers), np.float32)
   return _Groups(list(records), comps, p_tok, p_mask, total, per_fn,
-                 score(rewards_lib.correct), score(rewards_lib.format_exact), seconds)
-
-
-def _informative(groups: _Groups, g: int) -> np.ndarray:
-  """[B] bool: the groups whose rewards differ (the others have zero advantage everywhere)."""
-  return np.ptp(groups.total.reshape(-1, g), axis=1) > 0
+                 score(rewards_lib.correct), score(rewards_lib.format_exact),
+                 np.ptp(total.reshape(-1, g), axis=1) > 0, seconds)
 
 
 def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: list[dict],
@@ -72,14 +69,14 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
   cfg, g, b = setup.cfg, setup.cfg.rollout.num_generations, len(records)
   rounds = [_sample_round(setup, sampler, lora, records, key)]
   if cfg.grpo.dynamic_sampling and draw is not None:
-    while (sum(_informative(r, g).sum() for r in rounds) < b
+    while (sum(r.informative.sum() for r in rounds) < b
            and len(rounds) < cfg.grpo.max_sample_batches):
       rounds.append(_sample_round(setup, sampler, lora, draw(),
                                   jax.random.fold_in(key, len(rounds))))
   chosen, train = [(rounds[0], i) for i in range(b)], [True] * b
   if cfg.grpo.dynamic_sampling:  # informative groups first, then fillers that carry no loss
     ranked = sorted(((not ok, k, i) for k, r in enumerate(rounds)
-                     for i, ok in enumerate(_informative(r, g))))[:b]
+                     for i, ok in enumerate(r.informative)))[:b]
     chosen = [(rounds[k], i) for _, k, i in ranked]
     train = [not dropped for dropped, _, _ in ranked]
   host = _assemble(cfg, chosen, g, train, setup.tokenizer.pad_id)
@@ -90,7 +87,7 @@ def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: lis
     batch["old_logp"] = fwd(lora)
   batch["ref_logp"] = (fwd(lora_lib.zeros_like(lora)) if cfg.grpo.beta > 0
                        else jnp.zeros_like(batch["old_logp"]))
-  metrics = _rollout_metrics(rounds, g, sum(train))
+  metrics = _rollout_metrics(rounds, sum(train))
   metrics["tokens"] = int(sum(r.prompt_valid.sum() * g + r.comps.mask.sum() for r in rounds))
   metrics["samples"] = [{"question": r.records[i]["question"], "completion":
                          r.comps.texts[i * g], "reward": float(r.total[i * g])}
@@ -123,7 +120,7 @@ def _assemble(cfg: Config, chosen, g: int, train: list[bool], pad_id: int) -> di
   return host
 
 
-def _rollout_metrics(rounds: list[_Groups], g: int, kept: int) -> dict:
+def _rollout_metrics(rounds: list[_Groups], kept: int) -> dict:
   """Rewards and lengths over every completion drawn this step; how many groups carried a
   gradient."""
   cat = lambda f: np.concatenate([f(r) for r in rounds])
@@ -131,7 +128,7 @@ def _rollout_metrics(rounds: list[_Groups], g: int, kept: int) -> dict:
   per_fn = {k: cat(lambda r: r.per_fn[k]) for k in rounds[0].per_fn}
   lengths = cat(lambda r: r.comps.mask.sum(1))
   stopped = cat(lambda r: r.comps.stopped)
-  zero_std = cat(lambda r: ~_informative(r, g))
+  zero_std = cat(lambda r: ~r.informative)
   seconds = sum(r.seconds for r in rounds)
   return {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
           **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},

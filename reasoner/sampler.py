@@ -130,8 +130,9 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
   return tok, logp
 
 
-def _stop_table(cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
-  """Stop sequences right-aligned in a [S, L] table, with a mask of the positions that count."""
+def _stops(cfg: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The stop criteria as arrays: the stop ids, and the stop sequences right-aligned in a
+  [S, L] table with a mask of the positions that count."""
   seqs = list(cfg.stop_sequences) or [()]
   width = max(1, max(len(s) for s in seqs))
   table = np.full((len(seqs), width), -1, np.int32)
@@ -140,7 +141,7 @@ def _stop_table(cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
     if s:
       table[i, width - len(s):] = s
       valid[i, width - len(s):] = True
-  return table, valid
+  return jnp.asarray(cfg.stop_ids or (-1,), jnp.int32), jnp.asarray(table), jnp.asarray(valid)
 
 
 def _stop_hit(tok, tail, stop_ids, table, table_valid) -> jax.Array:
@@ -192,9 +193,8 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     h, c = m.hidden_states(tok[:, None], pos, cache, seen[:, None, :])
     return h[:, 0], c
 
-  stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
-  table, table_valid = (jnp.asarray(a) for a in _stop_table(cfg))
-  width = table.shape[1]
+  stops = _stops(cfg)
+  width = stops[1].shape[1]
 
   def body(s: _Loop) -> _Loop:
     step_model = nnx.merge(graphdef, *states)  # modules of this trace level (qwix sets attrs)
@@ -203,7 +203,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     tok = jnp.where(s.done, cfg.pad_id, tok)
     live = ~s.done
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
-    hit = _stop_hit(tok, tail, stop_ids, table, table_valid)
+    hit = _stop_hit(tok, tail, *stops)
     h, cache = forward(step_model, tok, s.step, s.cache)
     return _Loop(
         step=s.step + 1,
