@@ -33,17 +33,19 @@ class Setup:
   base: object  # nnx.State of the frozen base weights
   rewards: Rewards
   train_records: list
-  eval_records: list
+  eval_records: list  # the held-out split
   spec: gemma.ModelSpec
+  eval_sets: dict[str, list] = dataclasses.field(default_factory=dict)  # eval.sets by name
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
 
 
 def check(cfg: Config, devices: list | None = None) -> tuple[jax.sharding.Mesh, Rewards, list,
-                                                              list]:
+                                                              list, dict[str, list]]:
   """Everything that can fail on bad input, before any weight is read: for Kaggle, the local
-  download's layout, or credentials and the network (seconds, nothing downloaded)."""
+  download's layout, or credentials and the network (seconds, nothing downloaded). Returns
+  (mesh, rewards, train, held_out, {eval set name: records})."""
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   check_mesh(cfg, mesh.shape["fsdp"])
   rewards = Rewards(cfg.rewards)
@@ -52,7 +54,8 @@ def check(cfg: Config, devices: list | None = None) -> tuple[jax.sharding.Mesh, 
 
     kaggle.resolve(cfg.model)
   train, held_out = sources.load_splits(cfg.data)
-  return mesh, rewards, train, held_out
+  sets = {s.name: sources.load_eval_set(s, cfg.data) for s in cfg.eval.sets}
+  return mesh, rewards, train, held_out, sets
 
 
 def build(cfg: Config, abstract: bool = False, devices: list | None = None) -> Setup:
@@ -60,7 +63,7 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None) -> S
   `devices` (default: this host's), e.g. a TPU topology's compile-only devices."""
   if abstract:
     return _abstract(cfg, devices)
-  mesh, rewards, train, held_out = check(cfg, devices)
+  mesh, rewards, train, held_out, sets = check(cfg, devices)
   m = cfg.model
   if m.source == "embedded":
     from reasoner.models import gguf
@@ -76,12 +79,13 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None) -> S
     tokenizer, spec = spec_without_checkpoint(cfg)
     model = gemma.init_random(spec, mesh, cfg.train.seed)
   d = cfg.data
-  train, held_out = (prompts.within_limit(recs, split, d.template, tokenizer, d.max_prompt_tokens,
-                                          d.overlong, log.warning)
-                     for recs, split in ((train, "training"), (held_out, "held-out")))
+  fit = lambda recs, split: prompts.within_limit(recs, split, d.template, tokenizer,
+                                                  d.max_prompt_tokens, d.overlong, log.warning)
+  train, held_out = fit(train, "training"), fit(held_out, "held-out")
+  sets = {name: fit(recs, f"'{name}' evaluation") for name, recs in sets.items()}
   model = lora_lib.apply_lora(model, cfg.lora, mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
-  return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out, spec)
+  return Setup(cfg, mesh, tokenizer, graphdef, lora, base, rewards, train, held_out, spec, sets)
 
 
 def spec_without_checkpoint(cfg: Config) -> tuple[object, gemma.ModelSpec]:
@@ -99,12 +103,13 @@ def _abstract(cfg: Config, devices: list | None) -> Setup:
   check_mesh(cfg, mesh.shape["fsdp"])
   tokenizer, spec = spec_without_checkpoint(cfg)
 
-  def create():
-    model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))
-    return lora_lib.with_lora(model, cfg.lora, cfg.train.seed)
-
+  # Two traces: qwix finds a kernel by following its tracer to the module's parameter, which
+  # must be an input of the trace, not the output of its initializer (QLoRA's MLP kernels
+  # came out without LoRA weights when both ran in one).
   with jax.set_mesh(mesh):
-    graphdef, lora, base = lora_lib.split(nnx.eval_shape(create))
+    model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
+    graphdef, lora, base = lora_lib.split(nnx.eval_shape(
+        lambda m: lora_lib.with_lora(m, cfg.lora, cfg.train.seed), model))
   return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh),
                mesh_lib.placed(base, mesh), Rewards(cfg.rewards), [], [], spec)
 

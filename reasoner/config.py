@@ -107,8 +107,14 @@ class LoraConfig:
   alpha: float = 32.0
   # Regex over module paths (qwix matches it against e.g. 'layers/3/attn/q_einsum').
   module_path: str = ".*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+  # QLoRA: the frozen base kernels under `module_path` held quantised (qwix PTQ), dequantised in
+  # each matmul; `none` keeps them in model.dtype. Scales per `base_tile_size` inputs.
+  base_qtype: Literal["none", "nf4", "int8"] = "none"
+  base_tile_size: int = 64
 
   def __post_init__(self):
+    if self.base_tile_size < 1:
+      _fail("lora.base_tile_size", self.base_tile_size, "a positive integer")
     if self.rank < 1:
       _fail("lora.rank", self.rank, "a positive integer")
     if self.alpha <= 0:
@@ -342,8 +348,32 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSet:
+  """A named evaluation set beside the held-out split, e.g. a benchmark's test file:
+  {name: gsm8k, source: gsm8k} or {name: mine, source: jsonl, path: eval.jsonl, num: 200}."""
+
+  name: str
+  source: Literal["arithmetic", "jsonl", "parquet", "gsm8k"]
+  path: str | None = None  # file for jsonl / parquet
+  question_field: str = "question"
+  answer_field: str = "answer"
+  num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
+  difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
+
+  def __post_init__(self):
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) or self.name == "held-out":
+      _fail("eval.sets[].name", self.name, "letters, digits, '_', '.' or '-', not 'held-out'")
+    if self.source in ("jsonl", "parquet") and not self.path:
+      _fail(f"eval.sets[{self.name}].path", self.path,
+            f"a file path when its source is '{self.source}'")
+    if self.num < 1:
+      _fail(f"eval.sets[{self.name}].num", self.num, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-  """Evaluation on the held-out split: greedy, and optionally sampled (pass@k, majority)."""
+  """Evaluation on the held-out split and on any named `sets`: greedy, and optionally sampled
+  (pass@k, majority)."""
 
   batch_size: int = 32
   max_new_tokens: int = 64
@@ -351,8 +381,12 @@ class EvalConfig:
   # accuracy beside the greedy figures; 0: greedy only.
   samples: int = 0
   pass_k: tuple[int, ...] = (1,)  # each at most `samples`
+  sets: tuple[EvalSet, ...] = ()  # logged as eval/<name>/<metric>; the held-out as eval/<metric>
 
   def __post_init__(self):
+    names = [s.name for s in self.sets]
+    if len(set(names)) < len(names):
+      _fail("eval.sets", names, "distinct names")
     if self.samples < 0:
       _fail("eval.samples", self.samples, "a non-negative integer")
     if self.samples and not all(1 <= k <= self.samples for k in self.pass_k):

@@ -3,7 +3,9 @@
 for each k of `eval.pass_k` (the unbiased estimator of Chen et al. 2021) and majority-vote
 accuracy (the most frequent extracted answer against the reference).
 
-`python -m reasoner eval` runs `eval_only`; the training loop logs `eval_logged` before, every
+Each evaluation covers the held-out split (logged as eval/<metric>) and every named set of
+`eval.sets` (eval/<name>/<metric>; its figures also under "sets" in the held-out result).
+`python -m reasoner eval` runs `eval_only`; the training loop logs `evaluate_all` before, every
 `train.eval_every` steps and after training.
 """
 
@@ -92,12 +94,13 @@ def sampled(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> dict:
   return {**out, "majority": float(np.mean(votes))}
 
 
-def print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
+def print_eval(tag: str, result: dict, rows: list, n_samples: int, name: str = "held-out"
+               ) -> None:
   if jax.process_index() != 0:
     return
   extra = "".join(f"  {k} {v:.3f}" for k, v in result.items()
                   if k.startswith("pass@") or k == "majority")
-  tqdm.write(f"[{tag}] held-out ({result['n']}): mean reward {result['mean_reward']:.3f}  "
+  tqdm.write(f"[{tag}] {name} ({result['n']}): mean reward {result['mean_reward']:.3f}  "
              f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}"
              f"{extra}")
   for r in rows[:n_samples]:
@@ -105,20 +108,29 @@ def print_eval(tag: str, result: dict, rows: list, n_samples: int) -> None:
                f"reference {r['answer']})")
 
 
-def eval_logged(setup: Setup, sampler: Sampler, lora, writer: MetricsWriter, step: int,
-                tag: str) -> dict:
-  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
-  print_eval(tag, result, rows, setup.cfg.train.num_log_samples)
-  writer.samples(step, f"eval-{tag}", rows)
-  writer.log(step, {f"eval/{k}": v for k, v in result.items()})
-  return result
+def evaluate_all(setup: Setup, sampler: Sampler, lora, tag: str,
+                 writer: MetricsWriter | None = None, step: int = 0) -> dict:
+  """The held-out split and each named set evaluated, printed (the held-out's first samples
+  too) and, with `writer`, logged with their completions. The held-out result, with the named
+  sets' under "sets"."""
+  sets = {"held-out": setup.eval_records, **setup.eval_sets}
+  out = {}
+  for name, records in sets.items():
+    result, rows = evaluate(setup, sampler, lora, records)
+    held_out = name == "held-out"
+    print_eval(tag, result, rows, setup.cfg.train.num_log_samples if held_out else 0, name)
+    if writer is not None:
+      prefix = "eval/" if held_out else f"eval/{name}/"
+      writer.samples(step, f"eval-{tag}" if held_out else f"eval-{name}-{tag}", rows)
+      writer.log(step, {f"{prefix}{k}": v for k, v in result.items()})
+    out[name] = result
+  result = out.pop("held-out")
+  return {**result, "sets": out} if out else result
 
 
 def eval_only(cfg: Config) -> dict:
   setup = build(cfg)
   lora, step = restore_lora(setup)
   sampler = Sampler.for_run(setup)
-  result, rows = evaluate(setup, sampler, lora, setup.eval_records)
-  print_eval(f"checkpoint {step}" if step else "no checkpoint: base model", result, rows,
-             cfg.train.num_log_samples)
-  return result
+  return evaluate_all(setup, sampler, lora,
+                      f"checkpoint {step}" if step else "no checkpoint: base model")

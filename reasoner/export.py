@@ -29,6 +29,7 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -58,7 +59,7 @@ def lora_delta(strings: tuple[str | None, str | None], shape: tuple[int, ...], a
 def merged(graphdef, lora, base, scale: float) -> dict[tuple, jax.Array]:
   """Every base parameter with its LoRA merged in: {Tunix path: array}, sharded as the base."""
   model = nnx.merge(graphdef, lora, base)
-  out = {p: v.get_value() for p, v in nnx.to_flat_state(base)}
+  out = _base_weights(model, base)
   pairs = {}
   for path, v in nnx.to_flat_state(lora):
     name = str(path[-1])
@@ -72,6 +73,26 @@ def merged(graphdef, lora, base, scale: float) -> dict[tuple, jax.Array]:
     strings = (getattr(module, f"{path[-1]}_lora_einsum_str", None),
                getattr(module, "einsum_str", None))
     out[path] = _merger(strings, w.shape, scale, w.sharding)(w, ab["a"], ab["b"])
+  return out
+
+
+def _base_weights(model, base) -> dict[tuple, jax.Array]:
+  """{Tunix path: array} of the base; a kernel held quantised (`lora.base_qtype`) as qwix's
+  dequantised W, in its scales' dtype (the model's) and sharded as its values: the weights the
+  LoRA trained against, which is what the merge must add to."""
+  out = {}
+  for path, v in nnx.to_flat_state(base):
+    if len(path) > 2 and path[-2] == "array":  # (..., 'w', 'array', 'qvalue' | 'scale')
+      path = path[:-2]
+      if path not in out:
+        module = model
+        for p in path[:-1]:
+          module = module[p] if isinstance(p, int) else getattr(module, p)
+        q = jax.tree.map(lambda x: x.get_value(), getattr(module, path[-1]).array,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+        out[path] = jax.jit(qwix.dequantize, out_shardings=q.qvalue.sharding)(q)
+    else:
+      out[path] = v.get_value()
   return out
 
 

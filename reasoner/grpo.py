@@ -64,6 +64,13 @@ class Objective:
                sampler_is_cap=g.sampler_is_cap if g.sampler_is == "token" else None)
 
 
+def logprob_temperature(cfg) -> float:
+  """The T of softmax(z / T) whose log-probs GRPO takes (`grpo.logprobs`, from a
+  `config.Config`): `sampling`, the distribution the rollouts were drawn from
+  (`rollout.temperature`); `policy`, the policy itself (1)."""
+  return cfg.rollout.temperature if cfg.grpo.logprobs == "sampling" else 1.0
+
+
 def group_advantages(rewards: jax.Array, group_size: int, scale: bool = True,
                      eps: float = 1e-4, ddof: int = 0) -> jax.Array:
   """[B * G] rewards (rows grouped by prompt) -> [B * G] advantages; `ddof` 1: sample std."""

@@ -29,7 +29,7 @@ from reasoner.config import Config, ConfigError
 from reasoner.data import sources
 from reasoner.metrics import MetricsWriter
 from reasoner.mesh import agreed, largest
-from reasoner.evaluation import eval_logged
+from reasoner.evaluation import evaluate_all
 from reasoner.run import checkpoint_tree, grpo_step
 from reasoner.sampler import Sampler
 from reasoner.trainer import Trainer
@@ -107,7 +107,7 @@ class Run:
     if agreed("before" in self.results):
       return self.results.get("before", {})  # (process 0 holds the results)
     with self.clock.timed("eval"):
-      result = eval_logged(self.setup, self.sampler, self.state.lora, self.writer, 0, "before")
+      result = evaluate_all(self.setup, self.sampler, self.state.lora, "before", self.writer)
     self.results["before"] = {**result, "seconds": self.clock.times["eval"]}
     self.writer.write_json("eval.json", self.results)
     return self.results["before"]
@@ -136,14 +136,19 @@ class Run:
 
   def evaluate_after(self) -> dict:
     tag = f"step-{self.step}" if self.stopped else "after"
-    self.results["after"] = eval_logged(self.setup, self.sampler, self.state.lora, self.writer,
-                                        self.step, tag)
+    self.results["after"] = evaluate_all(self.setup, self.sampler, self.state.lora, tag,
+                                         self.writer, self.step)
     self.writer.write_json("eval.json", {k: v for k, v in self.results.items()
                                          if k != "stopped"})
     before = self.results.get("before")
     if before and jax.process_index() == 0:
+      after = self.results["after"]
+      for name, b in before.get("sets", {}).items():
+        if name in after.get("sets", {}):
+          tqdm.write(f"{name} mean reward {b['mean_reward']:.3f} -> "
+                     f"{after['sets'][name]['mean_reward']:.3f}")
       tqdm.write(f"held-out mean reward {before['mean_reward']:.3f} -> "
-                 f"{self.results['after']['mean_reward']:.3f}; run in {self.path}")
+                 f"{after['mean_reward']:.3f}; run in {self.path}")
     return self.results["after"]
 
   def close(self) -> pathlib.Path | None:
@@ -204,8 +209,8 @@ class Run:
         self._save(step + 1, state)
         saved = step + 1
       if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
-        eval_logged(self.setup, self.sampler, state.lora, self.writer, step + 1,
-                    f"step-{step + 1}")
+        evaluate_all(self.setup, self.sampler, state.lora, f"step-{step + 1}", self.writer,
+                     step + 1)
     else:
       step = cfg.train.steps
     bar.close()

@@ -2,6 +2,10 @@
 
 The KL reference is the same model with the LoRA weights zeroed ((x A) B = 0 exactly), so
 the reference policy is the base weights themselves, not a second model.
+
+QLoRA (`lora.base_qtype`): qwix's PTQ under the LoRA replaces each adapted kernel by its
+quantised values and scales (the float kernel is freed once the build drops the float model),
+and each matmul dequantises it; the reference is then the quantised base.
 """
 
 from __future__ import annotations
@@ -12,17 +16,27 @@ import qwix
 from flax import nnx
 from jax.sharding import Mesh
 
-from reasoner.config import LoraConfig
+from reasoner import mesh as mesh_lib
+from reasoner.config import ConfigError, LoraConfig
 
 
 def with_lora(model: nnx.Module, cfg: LoraConfig, seed: int) -> nnx.Module:
   """qwix's LoRA on `hidden_states` (traced on a one-token input), without entering a mesh:
   callable inside `nnx.eval_shape` (the planner), where `jax.set_mesh` is not allowed."""
-  provider = qwix.LoraProvider(module_path=cfg.module_path, rank=cfg.rank, alpha=cfg.alpha)
+  quant = {} if cfg.base_qtype == "none" else {"weight_qtype": cfg.base_qtype,
+                                                 "tile_size": cfg.base_tile_size}
+  provider = qwix.LoraProvider(module_path=cfg.module_path, rank=cfg.rank, alpha=cfg.alpha,
+                               **quant)
   tokens = jnp.zeros((1, 1), jnp.int32)
-  return qwix.apply_lora_to_model(model, provider, tokens, tokens, None,
-                                  jnp.ones((1, 1, 1), bool), methods=("hidden_states",),
-                                  rngs=nnx.Rngs(seed))
+  try:
+    return qwix.apply_lora_to_model(model, provider, tokens, tokens, None,
+                                    jnp.ones((1, 1, 1), bool), methods=("hidden_states",),
+                                    rngs=nnx.Rngs(seed))
+  except ValueError as e:
+    if "cannot be tiled" not in str(e):
+      raise
+    raise ConfigError(f"config key 'lora.base_tile_size' = {cfg.base_tile_size}: expected a "
+                      f"divisor of each quantised kernel's input size (qwix: {e})") from None
 
 
 def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx.Module:
@@ -31,15 +45,24 @@ def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx
   The LoRA weights are placed by their partition rules (those of the kernels they adapt), as
   `build(cfg, abstract=True)` places them for the planner: under Tunix's block or decoder
   remat qwix creates them inside `nnx.remat`'s trace, where the rules are not applied, and they
-  came out replicated on every chip (with their AdamW moments)."""
+  came out replicated on every chip (with their AdamW moments). With `lora.base_qtype`, qwix
+  quantises each matching base kernel as the trace reaches it (W is replaced in the module by
+  its values and scales); they are placed by the kernel's rule in the same way."""
   with jax.set_mesh(mesh):
     lora_model = with_lora(model, cfg, seed)
   lora = nnx.state(lora_model, nnx.LoRAParam)
   if not jax.tree.leaves(lora):
     raise ValueError(f"lora.module_path {cfg.module_path!r} matched no projection of the model")
-  placed = jax.jit(lambda x: x, out_shardings=nnx.get_named_sharding(lora, mesh))(lora)
-  nnx.update(lora_model, placed)
+  state = nnx.state(lora_model)
+  nnx.update(lora_model, jax.tree.map(_by_rule, state, mesh_lib.shardings(state, mesh)))
   return lora_model
+
+
+def _by_rule(x: jax.Array, sharding) -> jax.Array:
+  """`x` resharded on its devices where it is not placed as its rule says: the LoRA weights
+  and, with `base_qtype`, the quantised kernels qwix computed (a weight placed already, the
+  float base, is left as it is, never copied)."""
+  return x if x.sharding == sharding else jax.jit(lambda y: y, out_shardings=sharding)(x)
 
 
 def split(model: nnx.Module):

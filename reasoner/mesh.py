@@ -2,8 +2,9 @@
 is here, as data the rest of the code asks for.
 
 Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
-- Parameters: Tunix's default ShardingConfig (`param_rules`); the loaders' stacked gating
-  kernel follows its gate kernel (`gating_sharding`).
+- Parameters: Tunix's default ShardingConfig (`param_rules`), LoRA weights and a quantised
+  base kernel's values and scales carrying their kernel's (`shardings`); the loaders' stacked
+  gating kernel follows its gate kernel (`gating_sharding`).
 - Batches and activations: rows over 'fsdp' where they divide evenly, else replicated
   (`batch_placement`, `activation_placement`, `micro_placement`).
 - The KV cache: rows over 'fsdp', KV heads over 'tp' where they divide (`kv_cache_spec`,
@@ -90,13 +91,29 @@ def batch_struct(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStr
   return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_placement(mesh, shape))
 
 
-def placed(state: Any, mesh: Mesh) -> Any:
-  """An abstract nnx.State as ShapeDtypeStructs carrying the NamedShardings its parameters'
-  rules give them on `mesh`."""
+def shardings(state: Any, mesh: Mesh) -> Any:
+  """The NamedShardings the parameters' rules give an nnx.State's arrays on `mesh`. An array
+  carries its parameter's rule: a quantised kernel's values and its scales (QLoRA) both; a mesh
+  axis stays off a dimension it does not divide (a scale's one-tile input axis)."""
   from flax import nnx
 
+  def fit(a, s: NamedSharding) -> NamedSharding:
+    spec = [ax if ax is None or a.shape[i] % _size(mesh, ax) == 0 else None
+            for i, ax in enumerate(tuple(s.spec)[:len(a.shape)])]
+    return NamedSharding(mesh, P(*spec))
+
+  return jax.tree.map(fit, state, nnx.get_named_sharding(state, mesh))
+
+
+def _size(mesh: Mesh, axes) -> int:
+  return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+
+
+def placed(state: Any, mesh: Mesh) -> Any:
+  """An abstract nnx.State as ShapeDtypeStructs carrying the NamedShardings its parameters'
+  rules give them on `mesh` (`shardings`)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                      nnx.get_named_sharding(state, mesh))
+                      shardings(state, mesh))
 
 
 def param_rules(tunix_lib: Any) -> Any:

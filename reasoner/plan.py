@@ -200,7 +200,10 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   g, p, n = cfg.rollout.num_generations, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
   rows, chips = prompts * g, fsdp * tp
   tokens = (prompts * p + rows * n) / fsdp  # the prompt is computed once per group
-  out = StepPlan(what, prompts, rows, arguments=int(weights * item / chips),
+  q = cfg.lora.base_qtype  # QLoRA: the layers' kernels in 4 or 8 bits plus a scale per tile
+  kernel = item if q == "none" else {"nf4": 0.5, "int8": 1}[q] + item / cfg.lora.base_tile_size
+  held = layers * per_layer * kernel + v * d * item
+  out = StepPlan(what, prompts, rows, arguments=int(held / chips),
                  note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
     if spec.family == "gemma3":  # `models.layer`: named matmul outputs, no [T, S] probabilities

@@ -10,8 +10,8 @@ and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary 
 
 Returned log-probs are those of the distribution the tokens were drawn from,
 softmax(logits / temperature) over the whole vocabulary (top-k and top-p only narrow the
-draw), as the trainer computes them (`grpo.logprobs: sampling`); or, with `policy_logprobs`,
-of the policy itself at temperature 1.
+draw), or at `logprob_temperature` where a run sets it (`grpo.logprob_temperature`, the rule
+the trainer's log-probs follow too).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from reasoner import heads
+from reasoner import grpo, heads
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
 from reasoner.errors import DataError
@@ -53,7 +53,8 @@ class SamplingConfig:
   # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
   # logits at a time instead of [rows, V]. None: one block, the faster on the CPU.
   vocab_chunk: int | None = None
-  policy_logprobs: bool = False  # log-probs at temperature 1, not the sampling temperature
+  # T of the log-probs returned, softmax(z / T); None: the sampling temperature (1 if greedy).
+  logprob_temperature: float | None = None
 
   @classmethod
   def for_run(cls, cfg: Config, tokenizer, greedy: bool) -> "SamplingConfig":
@@ -66,7 +67,7 @@ class SamplingConfig:
         temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
         top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
         stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id,
-        policy_logprobs=cfg.grpo.logprobs == "policy")
+        logprob_temperature=1.0 if greedy else grpo.logprob_temperature(cfg))
 
 
 class Completions(NamedTuple):
@@ -107,7 +108,7 @@ def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.
 def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingConfig,
                softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
   """[B, D] final hidden states -> [B] sampled ids and their log-probs under softmax(logits /
-  T): T the sampling temperature, or 1 when greedy or `cfg.policy_logprobs`.
+  T): T `cfg.logprob_temperature`, by default the sampling temperature (1 when greedy).
 
   Greedy and top-k sampling go through `heads.vocab_topk` (a two-stage top-k, the
   log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
@@ -115,12 +116,12 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
   same key. Plain temperature sampling and top-p alone (a sort of the whole vocabulary) use
   the dense path.
   """
-  t = 1.0 if cfg.temperature == 0 or cfg.policy_logprobs else cfg.temperature
+  t = cfg.logprob_temperature or cfg.temperature or 1.0
   if cfg.temperature == 0 or cfg.top_k is not None:
     k = 1 if cfg.temperature == 0 else cfg.top_k
     vals, ids, lse = heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t)  # z / t
     pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
-           else _pick(vals if t == cfg.temperature else vals / cfg.temperature, key, cfg))
+           else _pick(vals if t == cfg.temperature else vals * (t / cfg.temperature), key, cfg))
     take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
     return take(ids), take(vals) - lse
   z = heads.logits(hidden, emb, softcap)

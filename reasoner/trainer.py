@@ -100,7 +100,7 @@ class Trainer:
     """The run's trainer; `overrides` replace keyword settings (the planner's `micro_batch`)."""
     kw = dict(schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
               head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch,
-              temperature=logprob_temperature(cfg))
+              temperature=grpo_lib.logprob_temperature(cfg))
     return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
@@ -248,11 +248,6 @@ def join_micro(x: jax.Array, prompts: int) -> jax.Array:
   c = x.shape[1] * k // prompts
   y = x.reshape(k, prompts // k, c, *x.shape[2:]).swapaxes(0, 1)
   return y.reshape(prompts * c, *x.shape[2:])
-
-
-def logprob_temperature(cfg: Config) -> float:
-  """The temperature of the log-probs GRPO uses (`grpo.logprobs`): the rollouts' or 1."""
-  return cfg.rollout.temperature if cfg.grpo.logprobs == "sampling" else 1.0
 
 
 def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions,

@@ -147,3 +147,55 @@ def test_sampled_evaluation_reports_pass_at_k(setup, monkeypatch):
     assert result[f"pass@{k}"] == pytest.approx(want)
   assert result["pass@1"] == pytest.approx(np.mean(counts) / 4)
   assert 0 <= result["majority"] <= 1
+
+
+def test_named_eval_sets_are_evaluated_and_logged_under_their_names(tmp_path):
+  """`eval.sets` from a config override: a jsonl file with its own field names and an
+  arithmetic set at another difficulty, evaluated beside the held-out split and logged as
+  eval/<name>/<metric>; each set's figures are `evaluate` on its records."""
+  import json
+
+  from reasoner import evaluation
+  from reasoner.metrics import MetricsWriter
+
+  f = tmp_path / "mine.jsonl"
+  f.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)})
+                         for i in range(5)))
+  s = build(tiny_config("data.num_eval=2", "eval.max_new_tokens=4",
+                        f"eval.sets=[{{name: mine, source: jsonl, path: {f}, question_field: q, "
+                        "answer_field: a, num: 3}, {name: hard, source: arithmetic, "
+                        "difficulty: hard, num: 2}]"))
+  assert [len(s.eval_records), len(s.eval_sets["mine"]), len(s.eval_sets["hard"])] == [2, 3, 2]
+  assert s.eval_sets["mine"][1] == {"question": "What is 1 + 1?", "answer": "2"}
+  assert not {r["question"] for r in s.eval_sets["hard"]} & {r["question"] for r in
+                                                               s.eval_records}
+  writer = MetricsWriter(tmp_path / "run", enabled=True)
+  writer.start(0)
+  sampler = Sampler.for_run(s)
+  result = evaluation.evaluate_all(s, sampler, s.lora, "before", writer, 0)
+  assert set(result["sets"]) == {"mine", "hard"}
+  for name in ("mine", "hard"):
+    assert result["sets"][name] == evaluation.evaluate(s, sampler, s.lora, s.eval_sets[name])[0]
+  assert result["n"] == 2
+  logged = {k: v for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            for k, v in json.loads(line).items()}
+  assert logged["eval/n"] == 2 and logged["eval/mine/n"] == 3 and logged["eval/hard/n"] == 2
+  assert logged["eval/mine/accuracy"] == result["sets"]["mine"]["accuracy"]
+
+
+@pytest.mark.parametrize("sets, message", [
+    ("[{name: a, source: arithmetic}, {name: a, source: gsm8k}]",
+     "config key 'eval.sets' = ['a', 'a']: expected distinct names"),
+    ("[{name: mine, source: jsonl}]",
+     "config key 'eval.sets[mine].path' = None: expected a file path when its source is 'jsonl'"),
+    ("[{name: held-out, source: gsm8k}]", "config key 'eval.sets[].name' = 'held-out'"),
+    ("[{name: mine, source: jsonl, path: /nonexistent.jsonl}]",
+     "config key 'eval.sets[mine].path' = '/nonexistent.jsonl': the file does not exist"),
+])
+def test_a_bad_eval_set_is_one_line_naming_its_key(sets, message):
+  from reasoner.errors import DataError
+  from reasoner.config import ConfigError
+
+  with pytest.raises((ConfigError, DataError)) as e:
+    build(tiny_config(f"eval.sets={sets}"))
+  assert message in str(e.value) and "\n" not in str(e.value)

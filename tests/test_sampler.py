@@ -178,7 +178,8 @@ def test_next_token_equals_dense(cfg, softcap, vocab, vocab_chunk):
     key = jax.random.PRNGKey(seed)
     want = sample_token(z, key, cfg)
     for policy, temperature in ((False, t), (True, 1.0)):
-      cfg_v = dataclasses.replace(cfg, vocab_chunk=vocab_chunk, policy_logprobs=policy)
+      cfg_v = dataclasses.replace(cfg, vocab_chunk=vocab_chunk,
+                                  logprob_temperature=1.0 if policy else None)
       tok, logp = next_token(h, emb, key, cfg_v, softcap)
       np.testing.assert_array_equal(tok, want)
       np.testing.assert_allclose(

@@ -195,13 +195,12 @@ def test_step_loss_and_metrics_equal_the_dense_objective(setup, overrides):
   """The train step's loss and metrics against `grpo.policy_loss` over log-probs from a dense
   forward of the whole sequences (the logits / T of the configured temperature)."""
   from reasoner import grpo
-  from reasoner.trainer import logprob_temperature
 
   cfg = tiny_config("rollout.num_generations=4", "train.batch_size=4", *overrides)
   batch = random_batch(setup, prompts=4, g=4, seed=3)
   lora = jax.tree.map(lambda x: x + 0.05, setup.lora)
   trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
-  t = logprob_temperature(cfg)
+  t = grpo.logprob_temperature(cfg)
   assert trainer.temperature == t == (0.7 if "rollout.temperature=0.7" in overrides else 1.0)
   model = nnx.merge(setup.graphdef, lora, setup.base)
   logp = dense_completion_logprobs(model, *batch[:4], temperature=t)

@@ -10,12 +10,15 @@ from typing import Any
 
 import grain
 
-from reasoner.config import DataConfig
+from reasoner.config import DataConfig, EvalSet
 from reasoner.errors import DataError
 from reasoner.data import arithmetic
 
 
-def _read_file(path: str, kind: str, cfg: DataConfig, key: str) -> list[dict]:
+def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> list[dict]:
+  """Records of a jsonl / parquet file; `key` names the file's config key, and the field
+  keys are named beside it (data.question_field, eval.sets[NAME].question_field)."""
+  section = key.rsplit(".", 1)[0]
   p = pathlib.Path(path)
   if not p.is_file():
     raise DataError(f"config key '{key}' = '{path}': the file does not exist")
@@ -36,8 +39,8 @@ def _read_file(path: str, kind: str, cfg: DataConfig, key: str) -> list[dict]:
       raise DataError(f"{path}: not a readable Parquet file ({e})") from None
   out = []
   for i, row in enumerate(rows):
-    for field, name in ((cfg.question_field, "data.question_field"),
-                        (cfg.answer_field, "data.answer_field")):
+    for field, name in ((cfg.question_field, f"{section}.question_field"),
+                        (cfg.answer_field, f"{section}.answer_field")):
       if field not in row:
         raise DataError(f"{path}: record {i} has no field '{field}' ({name}); it has "
                         f"{', '.join(sorted(row))}")
@@ -88,6 +91,17 @@ def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     raise DataError(f"{cfg.path}: {len(train)} record(s); need at least 2 to hold one out")
   n_eval = min(cfg.num_eval, len(train) // 2)
   return train[:-n_eval], train[-n_eval:]
+
+
+def load_eval_set(s: EvalSet, data: DataConfig) -> list[dict]:
+  """The records of a named evaluation set: its first `num`. Arithmetic ones are the held-out
+  problems of the training generator at the set's difficulty (none is a training problem when
+  the difficulty is the training one's)."""
+  if s.source == "arithmetic":
+    return arithmetic.generate(data.num_train, s.num, data.seed, s.difficulty)[1]
+  if s.source == "gsm8k":
+    return _gsm8k()[1][:s.num]
+  return _read_file(s.path, s.source, s, f"eval.sets[{s.name}].path")[:s.num]
 
 
 def train_iterator(records: list[dict], batch_size: int, seed: int, process_index: int = 0,
