@@ -44,19 +44,21 @@ def _quiet_closed_loop(hook=sys.unraisablehook):
   return quiet
 
 
-class _OrphanedWriteFailures(logging.Filter):
-  """A failed orbax write leaves its sibling write tasks' failures unretrieved; asyncio logs
-  each as "Task exception was never retrieved" with a traceback whenever the task is collected.
-  The failure itself reaches the saver, which reports it in one line: these copies are dropped."""
+class _OrphanedFailures(logging.Filter):
+  """A failed orbax write or read leaves its sibling tasks' failures unretrieved; asyncio logs
+  each as "Task exception was never retrieved" with a traceback whenever the task is collected
+  (for a damaged checkpoint, once per array that failed too: timing decides how many). The
+  failure itself reaches the saver or `restore`, which reports it in one line: these copies of
+  a write failure or of a checkpoint's damage are dropped."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not (exc is not None and record.getMessage().startswith(
-        "Task exception was never retrieved") and is_write_failure(exc))
+        "Task exception was never retrieved") and (is_write_failure(exc) or _is_damage(exc)))
 
 
 sys.unraisablehook = _quiet_closed_loop()
-logging.getLogger("asyncio").addFilter(_OrphanedWriteFailures())
+logging.getLogger("asyncio").addFilter(_OrphanedFailures())
 
 
 class Checkpointer:
