@@ -66,9 +66,7 @@ def merged(graphdef, lora, base, scale: float) -> dict[tuple, jax.Array]:
     weight, part = name.rsplit("_lora_", 1)
     pairs.setdefault((*path[:-1], weight), {})[part] = v.get_value()
   for path, ab in pairs.items():
-    module = model
-    for p in path[:-1]:
-      module = module[p] if isinstance(p, int) else getattr(module, p)
+    module = _module(model, path[:-1])
     w = out[path]
     strings = (getattr(module, f"{path[-1]}_lora_einsum_str", None),
                getattr(module, "einsum_str", None))
@@ -85,15 +83,20 @@ def _base_weights(model, base) -> dict[tuple, jax.Array]:
     if len(path) > 2 and path[-2] == "array":  # (..., 'w', 'array', 'qvalue' | 'scale')
       path = path[:-2]
       if path not in out:
-        module = model
-        for p in path[:-1]:
-          module = module[p] if isinstance(p, int) else getattr(module, p)
-        q = jax.tree.map(lambda x: x.get_value(), getattr(module, path[-1]).array,
+        q = jax.tree.map(lambda x: x.get_value(), _module(model, path).array,
                          is_leaf=lambda x: isinstance(x, nnx.Variable))
         out[path] = jax.jit(qwix.dequantize, out_shardings=q.qvalue.sharding)(q)
     else:
       out[path] = v.get_value()
   return out
+
+
+def _module(model, path: tuple):
+  """What `model` holds at a state path (layer indices and attribute names): a submodule, or
+  the attribute itself (a quantised kernel's qwix `WithAux`)."""
+  for p in path:
+    model = model[p] if isinstance(p, int) else getattr(model, p)
+  return model
 
 
 @functools.lru_cache(maxsize=None)
