@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -88,14 +89,23 @@ class Checkpointer:
         self._mngr.wait_until_finished()
     except Exception as e:
       if jax.process_index() == 0:
-        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-          shutil.rmtree(partial, ignore_errors=True)
+        self._remove_partial(step)
       self._mngr.reload()
       last = max((s for s in self.all_steps() if s != step), default=None)
       raise CheckpointError(f"cannot save checkpoint {step} in {self.directory}: "
                             f"{write_error(e, self.directory)}; the last whole checkpoint is "
                             f"{last if last is not None else 'none'} (re-running resumes from "
                             f"it)") from e
+
+  def _remove_partial(self, step: int, quiet: float = 1.0, limit: float = 30.0) -> None:
+    """Removes a failed save's temporary folder until it stays gone for `quiet` seconds: the
+    writes of a save still in flight when its first write failed finish later and recreate it."""
+    start = last_seen = time.monotonic()
+    while time.monotonic() - last_seen < quiet and time.monotonic() - start < limit:
+      for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(partial, ignore_errors=True)
+        last_seen = time.monotonic()
+      time.sleep(0.05)
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
     """Restores into the shardings of `target` (arrays or ShapeDtypeStructs with .sharding).

@@ -4,10 +4,12 @@ and loses no saved work."""
 import errno
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -191,9 +193,14 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
   from reasoner import cli
 
   real = ocp.CheckpointManager.save
+  writers = []
 
   def failing(self, step, *a, **k):
-    if step == 2:
+    if step == 2:  # a write still in flight lands after the failure and recreates the folder
+      late = pathlib.Path(self.directory) / "2.orbax-checkpoint-tmp" / "state" / "d"
+      writers.append(threading.Timer(0.3, lambda: (late.mkdir(parents=True),
+                                                   (late / "x").write_text("x"))))
+      writers[-1].start()
       raise OSError(errno.ENOSPC, "No space left on device")
     return real(self, step, *a, **k)
 
@@ -204,6 +211,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
                    "train.checkpoint_every=1"]) == 2
   folder = tmp_path / "inj" / "checkpoints"
   err = capsys.readouterr().err
+  writers[0].join()
   assert _full_disk_line(2, folder, 1).fullmatch(err.strip().splitlines()[-1]), err[-3000:]
   assert sorted(c.name for c in folder.iterdir()) == ["1"]
   small = tmp_path / "small"  # an export onto a full disk leaves nothing behind
