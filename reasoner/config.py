@@ -177,8 +177,15 @@ class RolloutConfig:
   # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
   # logits at a time instead of [rows, vocab]; null: one block (the faster on the CPU).
   vocab_chunk: int | None = None
+  # Where decoding runs: train (the training mesh and placement), replicated (each chip the
+  # whole model and its own rows: no collective), tp<k> (weights split Megatron-style over k
+  # chips, rows over the rest), auto (the fastest layout whose weights take at most a quarter
+  # of a chip's memory; train where that is unknown, as on the CPU).
+  layout: str = "auto"
 
   def __post_init__(self):
+    if not re.fullmatch(r"auto|train|replicated|tp[1-9]\d*", self.layout):
+      _fail("rollout.layout", self.layout, "auto, train, replicated or tp<k> (e.g. tp2)")
     if self.vocab_chunk is not None and self.vocab_chunk < 1:
       _fail("rollout.vocab_chunk", self.vocab_chunk, "a positive integer or null")
     if self.prompt_buckets is not None and (

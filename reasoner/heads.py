@@ -402,3 +402,28 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
           jnp.full((c,), -jnp.inf, jnp.float32), jnp.zeros((c,), jnp.float32))
   (vals, idx, m, s), _ = jax.lax.scan(body, init, (blocks, jnp.arange(nb, dtype=jnp.int32)))
   return vals, idx, m + jnp.log(s)
+
+
+def split_vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
+                     softcap: float | None, temperature: float, mesh: Mesh):
+  """`vocab_topk` with the vocabulary split over the mesh's 'tp' chips (the decode layouts'
+  embedding): each chip scores its slice of the vocabulary for its rows and keeps its top-k
+  and log-sum-exp; one all-gather over 'tp' moves rows x (2k + 1) x chips numbers, never a
+  vocabulary-sized array, and every chip merges them into the same top-k (chips in vocabulary
+  order: ties resolve to the lower id as on one chip) and log-sum-exp."""
+  tp = mesh.shape["tp"]
+  rows = mesh_lib.row_axis(mesh, h.shape[0])
+  part = emb.shape[0] // tp
+
+  def local(h, e):
+    vals, ids, lse = vocab_topk(h, e, k, vocab_chunk, softcap, temperature)
+    ids = ids + jax.lax.axis_index("tp") * part  # ids < 2^24: exact as float32
+    packed = jnp.concatenate([vals, ids.astype(jnp.float32), lse[:, None]], axis=-1)
+    every = jax.lax.all_gather(packed, "tp", axis=1, tiled=True)  # [rows, tp * (2k + 1)]
+    every = every.reshape(h.shape[0], tp, 2 * k + 1)
+    top, pos = jax.lax.top_k(every[..., :k].reshape(h.shape[0], -1), k)
+    cand = every[..., k:2 * k].reshape(h.shape[0], -1).astype(jnp.int32)
+    return top, jnp.take_along_axis(cand, pos, axis=-1), jax.nn.logsumexp(every[..., -1], -1)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(rows, None), P("tp", None)),
+                       out_specs=(P(rows, None), P(rows, None), P(rows)), check_vma=False)(h, emb)

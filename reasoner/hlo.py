@@ -1,10 +1,16 @@
-"""FLOPs and HBM traffic of a compiled XLA program, read from its HLO text.
+"""FLOPs, HBM traffic and collectives of a compiled XLA program, read from its HLO text.
 
 XLA's cost analysis counts a while loop's body once, so a `lax.scan` of K steps (the chunked
-head) or the sampler's decode loop would count as one step. `hlo_cost` walks every computation
-instead: matmul and convolution FLOPs, loop bodies multiplied by their trip count (XLA's
-`known_trip_count`, else the loop condition's bound), and bytes moved (operands + results of
-each unfused op or fusion, slices counted at their size).
+head) or the sampler's decode loop would count as one step. `analyse` walks every computation
+instead, loop bodies multiplied by their trip count (XLA's `known_trip_count`, else the loop's
+induction variable or its condition's bound):
+- FLOPs of every matmul and convolution;
+- HBM bytes: operands + results of each unfused op or fusion (slices at their size), only of
+  arrays in memory space 0. TPU's compiled HLO marks arrays in on-chip memory with `S(n)` in
+  their layout (VMEM `S(1)`); a prefetch (`copy-start`) counts its HBM source once, the
+  on-chip copy and its `-done` nothing;
+- every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
+  sync or `-start`ed, in fusions too): its kind, group size and bytes, counted per run.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import re
 
 import numpy as np
 
-_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\](\{[^}]*\})?")
 _ITEM = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
          "partition-id", "replica-id", "iota"}
 
@@ -36,10 +43,13 @@ def _dims(shape: str) -> list[int]:
   return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def _nbytes(shape: str) -> float:
+def _nbytes(shape: str, hbm_only: bool = True) -> float:
+  """Bytes of the arrays in an HLO shape; `hbm_only`: of those in HBM, memory space 0 (a
+  layout without `S(n)`; TPU marks on-chip VMEM S(1), scalar memory S(2) and others)."""
   size = lambda dt: _ITEM.get(dt) or max(1, int(re.sub(r"\D", "", dt.split("e")[0])) // 8)
   return sum(math.prod(int(d) for d in dims.split(",") if d) * size(dt)
-             for dt, dims in _ARRAY.findall(shape))
+             for dt, dims, layout in _ARRAY.findall(shape)
+             if not (hbm_only and re.search(r"S\([1-9]\d*\)", layout)))
 
 
 def _close(s: str, i: int) -> int:
@@ -192,39 +202,147 @@ def _fusion_bytes(op: _Op, comp: dict[str, _Op], fused: dict[str, _Op]) -> float
   return total + _nbytes(op.shape)
 
 
-def hlo_cost(text: str) -> tuple[float, float]:
-  """(FLOPs, HBM bytes) of a compiled HLO module, every loop body counted once per trip."""
-  comps, entry = parse_hlo(text)
-  memo: dict[tuple[str, bool], float] = {}
+def _group(op: _Op) -> int:
+  """Chips in each group of a collective: `replica_groups={{0,1,..}}`, the iota form
+  `[groups,size]<=[n]`, the mesh form `mesh['a'=2,'b'=4] {'b'}`, or 2 for a permute."""
+  if op.op.startswith("collective-permute"):
+    return 2
+  attrs = op.attrs
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]", attrs)
+  if m:
+    return int(m.group(1))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+  return 1
 
-  def walk(name: str, traffic: bool) -> float:
-    if (name, traffic) in memo:
-      return memo[(name, traffic)]
-    comp, total = comps.get(name, {}), 0.0
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One kind of collective op: its kind, the chips in each group and the bytes of the
+  array it produces (reduce-scatter: consumes) on each chip."""
+
+  kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+  group: int
+  bytes: float
+
+
+@dataclasses.dataclass
+class Cost:
+  """A program's (or loop body's) FLOPs, HBM bytes and collectives (op -> count per run)."""
+
+  flops: float = 0.0
+  bytes: float = 0.0
+  collectives: dict[Collective, float] = dataclasses.field(default_factory=dict)
+  loops: list[tuple[int, "Cost"]] = dataclasses.field(default_factory=list)  # (trips, body)
+
+  def add(self, other: "Cost", times: float = 1.0) -> "Cost":
+    self.flops += times * other.flops
+    self.bytes += times * other.bytes
+    for c, n in other.collectives.items():
+      self.collectives[c] = self.collectives.get(c, 0.0) + times * n
+    return self
+
+  @property
+  def num_collectives(self) -> float:
+    return sum(self.collectives.values())
+
+  def decode_loop(self) -> tuple[int, "Cost"] | None:
+    """The loop with the most trips (the sampler's decode loop) and one trip's cost."""
+    return max(self.loops, key=lambda t: t[0], default=None)
+
+
+def _collective(op: _Op, comp: dict[str, _Op]) -> Collective | None:
+  kind = re.sub(r"-start$", "", op.op)
+  if kind not in _COLLECTIVES:
+    return None
+  shape = comp[op.args[0]].shape if kind == "reduce-scatter" and op.args[0] in comp else op.shape
+  if op.op.endswith("-start"):  # (operands, results, contexts): the results' half
+    arrays = _ARRAY.findall(shape.split("u32[]")[0] if "u32[]" in shape else shape)
+    half = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
+    size = sum(_nbytes(f"{dt}[{dims}]") for dt, dims, _ in half)
+  else:
+    size = _nbytes(shape, hbm_only=False)
+  return Collective(kind, _group(op), size)
+
+
+def analyse(text: str) -> Cost:
+  """FLOPs, HBM bytes and collectives of a compiled HLO module, every loop body counted once
+  per trip, a conditional at its costliest branch. Collectives are counted where they run,
+  fusions included (TPU wraps asynchronous ones in fusions); each `-start`/`-done` pair once."""
+  comps, entry = parse_hlo(text)
+  memo: dict[tuple[str, bool], Cost] = {}
+
+  def walk(name: str, top: bool) -> Cost:
+    """`top`: ops of a computation that runs on its own (entry, loop body, branch), whose
+    operands and results are buffers; else a fusion's body (FLOPs and collectives only)."""
+    if (name, top) in memo:
+      return memo[(name, top)]
+    comp, total = comps.get(name, {}), Cost()
     for op in comp.values():
+      called = lambda k: _called(op, k)
       if op.op == "while":
         trips = _trip_count(op, comp, comps)
-        total += trips * sum(walk(c, traffic) for c in _called(op, "body")
-                             + _called(op, "condition"))
-      elif op.op == "conditional":  # the most expensive branch
-        total += max([walk(c, traffic) for k in ("branch_computations", "true_computation",
-                                                 "false_computation") for c in _called(op, k)])
-      elif op.op == "call" or (op.op.startswith("async") or op.op.endswith("-start")) and \
-          _called(op, "calls"):
-        total += sum(walk(c, traffic) for c in _called(op, "calls") + _called(op, "to_apply"))
-      elif traffic:
-        if op.op == "fusion":
-          total += sum(_fusion_bytes(op, comp, comps.get(c, {})) for c in _called(op, "calls"))
-        elif op.op not in _FREE:
-          total += _nbytes(op.shape) + sum(_nbytes(comp[a].shape) for a in op.args if a in comp)
-      elif op.op in ("dot", "convolution"):
-        total += _matmul_flops(op, comp)
+        body = Cost()
+        for c in called("body") + called("condition"):
+          body.add(walk(c, True))
+        total.add(body, trips)
+        total.loops += [(trips, body)] + [(t * trips, b) for t, b in body.loops]
+      elif op.op == "conditional":
+        branches = [walk(c, True) for k in ("branch_computations", "true_computation",
+                                            "false_computation") for c in called(k)]
+        total.add(max(branches, key=lambda b: (b.bytes, b.flops, b.num_collectives),
+                      default=Cost()))
+      elif op.op in ("call", "async-start") or op.op.endswith("-start") and called("calls"):
+        for c in called("calls") + called("to_apply"):
+          total.add(walk(c, top))
+      elif (coll := _collective(op, comp)) is not None:
+        if coll.group > 1:  # a group of one chip moves nothing
+          total.collectives[coll] = total.collectives.get(coll, 0.0) + 1
+        total.bytes += _op_bytes(op, comp) if top else 0.0
       elif op.op == "fusion":
-        total += sum(walk(c, traffic) for c in _called(op, "calls"))
-    memo[(name, traffic)] = total
+        if top:
+          total.bytes += sum(_fusion_bytes(op, comp, comps.get(c, {})) for c in called("calls"))
+        for c in called("calls"):
+          total.add(walk(c, False))
+      elif op.op in ("dot", "convolution"):
+        total.flops += _matmul_flops(op, comp)
+        total.bytes += _op_bytes(op, comp) if top else 0.0
+      elif top:
+        total.bytes += _op_bytes(op, comp)
+    memo[(name, top)] = total
     return total
 
-  return walk(entry, False), walk(entry, True)
+  return walk(entry, True)
 
 
-# ------------------------------------------------------------------------ abstract inputs
+def _op_bytes(op: _Op, comp: dict[str, _Op]) -> float:
+  """HBM bytes an unfused op reads and writes; a slice or an in-place update only its part; a
+  `-start` its operands (its results are the copies in flight), a `-done` none (counted at
+  its start)."""
+  if op.op in _FREE or op.op.endswith("-done") or op.op == "async-update":
+    return 0.0
+  shape = lambda a: comp[a].shape if a in comp else ""
+  if op.op in ("slice", "dynamic-slice", "slice-start"):  # reads only its part of the source
+    result = op.shape  # slice-start: ((source), result, context), a prefetch of the part
+    if op.op == "slice-start":
+      dt, dims, layout = _ARRAY.findall(op.shape)[-2]
+      result = f"{dt}[{dims}]{layout}"
+    part = _nbytes(result, hbm_only=False)
+    return (part if _nbytes(shape(op.args[0])) else 0.0) + _nbytes(result)
+  if op.op == "dynamic-update-slice":  # in place: reads and writes only the update
+    update = shape(op.args[1])
+    return _nbytes(update) + (_nbytes(update, hbm_only=False) if _nbytes(op.shape) else 0.0)
+  reads = sum(_nbytes(comp[a].shape) for a in op.args if a in comp)
+  return reads if op.op.endswith("-start") else reads + _nbytes(op.shape)
+
+
+def hlo_cost(text: str) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of a compiled HLO module, every loop body counted once per trip."""
+  cost = analyse(text)
+  return cost.flops, cost.bytes
+

@@ -11,6 +11,10 @@ Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
   `slot_major_sharding`).
 - The chunked head: token chunks over 'fsdp', the vocabulary over 'tp' or over both
   (`vocab_axis`, `vocab_axes`).
+- Decoding (`rollout.layout`): the same devices as rows x tp (`decode_mesh`), each parameter
+  split over 'tp' only, Megatron-style (`decode_shardings`): heads, MLP columns then rows and
+  the vocabulary over 'tp', nothing over 'fsdp', which holds rows alone. 'replicated' is tp 1:
+  every chip holds the whole model and decodes its own rows with no collective at all.
 """
 
 from __future__ import annotations
@@ -161,6 +165,43 @@ def vocab_axes(mesh: Mesh | None, vocab: int, shards: int) -> tuple[str, ...]:
     return ("fsdp", "tp") if tp > 1 else ("fsdp",)
   axis = vocab_axis(mesh, vocab)
   return (axis,) if axis else ()
+
+
+def decode_tp(layout: str) -> int | None:
+  """The 'tp' size of a decode layout name: 'replicated' 1, 'tp<k>' k, 'train' None (the
+  training mesh and placement)."""
+  if layout == "train":
+    return None
+  return 1 if layout == "replicated" else int(layout[2:])
+
+
+def decode_mesh(mesh: Mesh, layout: str) -> Mesh:
+  """The training mesh's devices as (rows, tp) for decoding in `layout`, in their order (a tp
+  group is a run of neighbours, as the training mesh's 'tp' is)."""
+  tp = decode_tp(layout)
+  if tp is None:
+    return mesh
+  devices = mesh.devices.reshape(-1)
+  if len(devices) % tp:
+    raise ConfigError(f"config key 'rollout.layout' = {layout!r}: tp {tp} does not divide the "
+                      f"{len(devices)} devices")
+  return Mesh(devices.reshape(len(devices) // tp, tp), AXES)
+
+
+def decode_shardings(state: Any, mesh: Mesh) -> Any:
+  """Each parameter's rule on a decode mesh with 'fsdp' dropped (Tunix's own rules for
+  sampling), and vectors (norm scales, biases) whole on every chip: one all-reduce after the
+  attention output and one after the MLP's down projection, none in a norm."""
+  def decode(a, s: NamedSharding) -> NamedSharding:
+    if len(a.shape) <= 1:
+      return NamedSharding(mesh, P())
+    spec = [None if ax is None else tuple(x for x in ((ax,) if isinstance(ax, str) else ax)
+                                          if x != "fsdp" and mesh.shape[x] > 1) or None
+            for ax in s.spec]
+    return NamedSharding(mesh, P(*[ax[0] if isinstance(ax, tuple) and len(ax) == 1 else ax
+                                   for ax in spec]))
+
+  return jax.tree.map(decode, state, shardings(state, mesh))
 
 
 def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:

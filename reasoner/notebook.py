@@ -51,16 +51,16 @@ def show_plan(cfg: Config) -> dict:
   topology = "v5e:2x4" if jax.default_backend() == "tpu" else "cpu"
   report = plan.plan(cfg, topology, search=False)
   print(plan.format_report(report))
-  step_s = report["train"].seconds(report["chip"]) + report["rollout"].seconds(report["chip"])
+  step_s = plan.step_seconds(report)
   deadline = cfg.train.deadline and session.parse_deadline(cfg.train.deadline)
   if deadline:
     left = deadline - time.time()
     fit = int(left // step_s) if step_s > 0 else cfg.train.steps
-    print(f"estimated step {step_s:.3g} s (roofline: a lower bound); {session.duration(left)} "
+    print(f"estimated step {step_s:.3g} s (a lower bound); {session.duration(left)} "
           f"left in this session hold at most {fit} steps; train.steps = {cfg.train.steps} "
           "(the deadline stops the loop in time whatever the estimate)")
   else:
-    print(f"estimated step {step_s:.3g} s (roofline: a lower bound); no deadline set")
+    print(f"estimated step {step_s:.3g} s (a lower bound); no deadline set")
   return report
 
 

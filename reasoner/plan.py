@@ -12,13 +12,13 @@ Memory per chip: arguments + temporaries + outputs - aliased (donated) bytes, fr
 memory analysis (on CPU `peak_memory_in_bytes` is arguments + outputs only). A compile that
 runs out of HBM counts as not fitting.
 
-FLOPs per chip: XLA's cost analysis counts a while loop's body once, so a `lax.scan` of K
-steps (the chunked head) or the sampler's decode loop would be one step. The planner walks the
-compiled HLO instead: matmul and convolution FLOPs of every computation, loop bodies multiplied
-by their trip count (XLA's `known_trip_count`, else the loop condition's bound: for the
-sampler's early-exit loop that is max_new_tokens, an upper bound). HBM traffic is estimated the
-same way (operands + results of each unfused op or fusion, slices counted at their size). The
-step time is the roofline max(FLOPs / peak, bytes / bandwidth): a lower bound.
+Time per chip: XLA's cost analysis counts a while loop's body once, so a `lax.scan` of K steps
+(the chunked head) or the sampler's decode loop would be one step. The planner walks the
+compiled HLO instead (`hlo.analyse`), loop bodies once per trip (for the sampler's early-exit
+loop max_new_tokens trips, an upper bound): matmul FLOPs, bytes moved to and from HBM (on-chip
+buffers excluded) and every collective. A step's time is the largest of FLOPs / peak, HBM bytes
+/ bandwidth and its collectives' time under a latency + bandwidth ring model
+(`collective_seconds`, the chip's ICI figures): a lower bound, named by what binds it.
 
 Without libtpu (or with `--analytic`) the figures are an analytic estimate, and say so.
 `topology="cpu"` compiles for this host's devices instead (XLA:CPU's memory, for tests).
@@ -36,10 +36,12 @@ import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
-from reasoner.hlo import hlo_cost
+from reasoner.hlo import Collective, Cost, analyse
 from reasoner.config import Config, ConfigError, check_mesh
+from reasoner.models.prompt import prompt_layout
 
 GiB = 2**30
+SESSION = 9 * 3600  # seconds of a Kaggle TPU session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +50,32 @@ class Chip:
   hbm: int  # bytes
   flops: float  # peak bf16 FLOP/s
   bandwidth: float  # HBM bytes/s
+  ici: float  # interconnect bytes/s of one link, both directions (a ring sends half each way)
+  hop: float = 1e-6  # seconds per step of a ring collective (latency)
 
 
-CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9),
-         "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9),
-         "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9),
-         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9)}
+# HBM, FLOP/s and ICI link bandwidths: the chip tables of "How to Scale Your Model" (Austin et
+# al., 2025, jax-ml.github.io/scaling-book, "All About TPUs"), which take them from Google's
+# Cloud TPU pages: v5e 4.5e10 B/s one way a link (9e10 both ways), v5p and v6e 9e10, v4 4.5e10.
+# The ~1 us a hop is that book's order of magnitude for ICI latency: an assumption, which
+# matters only for small collectives, where it is the whole cost.
+CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 9e10),
+         "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1.8e11),
+         "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 1.8e11),
+         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9, 9e10)}
+
+
+def collective_seconds(c: Collective, chip: Chip) -> float:
+  """Latency + bandwidth time of one collective done as a ring over its group of n chips:
+  an all-reduce takes 2 (n - 1) steps and puts 2 (n - 1) / n of its bytes on each chip's links,
+  an all-gather, reduce-scatter or all-to-all n - 1 steps and (n - 1) / n, a permute one step
+  and its bytes."""
+  n = c.group
+  if n <= 1:
+    return 0.0
+  steps, wire = {"all-reduce": (2 * (n - 1), 2 * (n - 1) / n),
+                 "collective-permute": (1, 1.0)}.get(c.kind, (n - 1, (n - 1) / n))
+  return steps * chip.hop + wire * c.bytes / chip.ici
 
 
 @dataclasses.dataclass
@@ -75,13 +97,28 @@ class StepPlan:
   needed: int = 0  # bytes XLA reported needing when the compile ran out of HBM (a lower bound)
   kv_cache: int = 0  # rollout: the sampler's own estimate of its KV cache (`kv_cache_bytes`)
   micro: int = 0  # train: prompts per micro-batch (= prompts: one pass)
+  collectives: dict = dataclasses.field(default_factory=dict)  # Collective -> count per step
+  token: Cost | None = None  # rollout: one trip of the decode loop (one token for every row)
+  layout: str = ""  # rollout: the decode layout (`rollout.layout`)
+  resident: int = 0  # rollout: bytes of the base's copy in the decode layout, kept all run
 
   @property
   def total(self) -> int:
     return self.arguments + self.temporaries + self.outputs - self.aliased
 
+  def times(self, chip: Chip) -> dict[str, float]:
+    """Seconds the step would take if bound by each resource alone."""
+    return {"HBM": self.bytes / chip.bandwidth, "FLOPs": self.flops / chip.flops,
+            "interconnect": sum(n * collective_seconds(c, chip)
+                                for c, n in self.collectives.items())}
+
+  def bound(self, chip: Chip) -> str:
+    times = self.times(chip)
+    return max(times, key=times.get)
+
   def seconds(self, chip: Chip) -> float:
-    return max(self.flops / chip.flops, self.bytes / chip.bandwidth)
+    """The step's time under the resource that binds it: a lower bound."""
+    return max(self.times(chip).values())
 
 
 # ------------------------------------------------------------------------------- compiling
@@ -101,10 +138,12 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
                     note=msg.strip().splitlines()[0][:200])
   mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  flops, traffic = hlo_cost(compiled.as_text())
+  seen = analyse(compiled.as_text())
   out = StepPlan(what, prompts, rows, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                 mem.temp_size_in_bytes, mem.alias_size_in_bytes, flops,
-                 float(cost.get("flops", 0.0)), traffic)
+                 mem.temp_size_in_bytes, mem.alias_size_in_bytes, seen.flops,
+                 float(cost.get("flops", 0.0)), seen.bytes, collectives=seen.collectives)
+  loop = seen.decode_loop() if what == "rollout" else None
+  out.token = loop[1] if loop else None
   out.fits = out.total <= chip.hbm
   return out
 
@@ -123,22 +162,102 @@ def train_plan(setup, prompts: int, chip: Chip, micro: int | None = None) -> Ste
   return out
 
 
-def rollout_plan(setup, prompts: int, chip: Chip) -> StepPlan:
+def reference_plan(setup, prompts: int, chip: Chip) -> StepPlan:
+  """The forward-only log-probs of the rollout (`Trainer.logprobs`) that a run computes once a
+  step for the reference (zeroed LoRA, grpo.beta > 0) and for the old policy (grpo.mu > 1)."""
+  from reasoner.trainer import Trainer
+
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
+  base, state, batch = trainer.abstract_inputs(setup.lora, prompts, g,
+                                               cfg.data.max_prompt_tokens,
+                                               cfg.rollout.max_new_tokens)
+  return compile_plan(trainer._logprobs, (base, setup.lora, *batch[:4]), {}, "logprobs",
+                      prompts, prompts * g, chip)
+
+
+def step_seconds(report: dict[str, Any], rollout: str = "rollout") -> float:
+  """A GRPO step's estimate: the rollout (`rollout`: which plan of it), the log-prob forwards
+  the objective needs (reference, old policy) and the train step."""
+  cfg, chip = report["cfg"], report["chip"]
+  forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
+  ref = report.get("logprobs")
+  return (report[rollout].seconds(chip) + report["train"].seconds(chip)
+          + (forwards * ref.seconds(chip) if ref is not None else 0.0))
+
+
+def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> StepPlan:
   """The run's rollout (`Sampler.generate`: prefill once per prompt, the decode loop) for
-  `prompts` x G rows of `setup` (abstract), with the run's sampling config."""
+  `prompts` x G rows of `setup` (abstract), with the run's sampling config, decoding in
+  `layout` (default: `rollout.layout`, auto resolved for `chip`)."""
   from reasoner.models.cache import kv_cache_bytes
   from reasoner.sampler import Sampler, SamplingConfig
 
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  sampler = Sampler.for_run(setup)
+  sampler = Sampler.for_run(setup, layout or decode_layout(setup, chip.hbm, chip))
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   args, kwargs = sampler.abstract_inputs((setup.lora, setup.base), prompts, g, scfg)
   out = compile_plan(sampler.generate, args, kwargs, "rollout", prompts, prompts * g, chip)
   out.kv_cache = kv_cache_bytes(setup.spec.tunix_config, args[1].shape[0],
                                 kwargs["num_generations"], cfg.data.max_prompt_tokens,
-                                cfg.rollout.max_new_tokens, cfg.model.dtype, setup.mesh,
+                                cfg.rollout.max_new_tokens, cfg.model.dtype, sampler.mesh,
                                 shared=setup.spec.family == "gemma3")
+  out.layout = sampler.layout
+  if sampler.layout != "train":  # the base's copy in the decode layout, held through training
+    out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(args[0][-1]))
   return out
+
+
+# ---------------------------------------------------------------------- the decode layout
+
+def _nbytes(state) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def decode_estimate(setup, tp: int, chip: Chip) -> dict[str, float]:
+  """Seconds of one decoded token (all rows) in the decode layout of `tp`, bound by HBM (the
+  chip's share of the weights, its rows' KV cache) or by the interconnect (two all-reduces of
+  the rows' hidden states a layer over `tp` chips, and the head's top-k candidates)."""
+  from reasoner.models.cache import kv_cache_bytes
+
+  cfg, t = setup.cfg, setup.spec.tunix_config
+  n = setup.mesh.size
+  mesh = mesh_lib.decode_mesh(setup.mesh, "replicated" if tp == 1 else f"tp{tp}")
+  g, prompts = cfg.rollout.num_generations, cfg.train.batch_size
+  c, extra = prompt_layout(mesh, prompts, g)
+  kv = kv_cache_bytes(t, prompts * c + extra, g // c, cfg.data.max_prompt_tokens,
+                      cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
+                      shared=setup.spec.family == "gemma3")
+  rows = -(-prompts * g // (n // tp))  # a chip's rows
+  hidden = Collective("all-reduce", tp, rows * t.embed_dim * 4)
+  topk = Collective("all-gather", tp, rows * tp * (cfg.rollout.top_k or 1) * 8)
+  return {"HBM": (_nbytes(setup.base) + _nbytes(setup.lora)) / tp / chip.bandwidth
+          + kv / chip.bandwidth,
+          "interconnect": 2 * t.num_layers * collective_seconds(hidden, chip)
+          + collective_seconds(topk, chip)}
+
+
+def decode_layout(setup, hbm: int | None = None, chip: Chip | None = None) -> str:
+  """`rollout.layout`, with 'auto' resolved: of the layouts whose copy of the base weights
+  takes at most a quarter of a chip's memory (`hbm`, else the device's), the one whose
+  decoded token `decode_estimate` finds fastest; 'train' on one device or where a chip's
+  memory is unknown (XLA:CPU: a copy per fake device would cost the host's memory)."""
+  layout, n = setup.cfg.rollout.layout, setup.mesh.size
+  if layout != "auto":
+    return layout
+  if hbm is None:
+    stats = setup.mesh.devices.flat[0].memory_stats() if n > 1 else None
+    hbm = (stats or {}).get("bytes_limit")
+  if n == 1 or not hbm:
+    return "train"
+  chip = chip or CHIPS["v5e"]
+  weights = _nbytes(setup.base)
+  fits = [k for k in range(1, n + 1) if n % k == 0 and weights / k <= hbm / 4]
+  if not fits:
+    return "train"
+  best = min(fits, key=lambda k: max(decode_estimate(setup, k, chip).values()))
+  return "replicated" if best == 1 else f"tp{best}"
 
 
 # ---------------------------------------------------------------------------- the search
@@ -272,9 +391,10 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     from reasoner.build import build
 
     setup = build(cfg, abstract=True, devices=devices)
+    layout = decode_layout(setup, None if topology == "cpu" else chip.hbm, chip)
     measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
-               "rollout": lambda u: rollout_plan(setup, u, chip)}
-  report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method,
+               "rollout": lambda u: rollout_plan(setup, u, chip, layout)}
+  report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method, "cfg": cfg,
                             "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {}}
 
   def logged(what: str, u: int, *micro) -> StepPlan:
@@ -284,6 +404,13 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
 
   b, micro = cfg.train.batch_size, cfg.train.micro_batch
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
+  if devices is not None:
+    if cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1:
+      log(f"  log-prob forward, {b} prompts x {g} ...")
+      report["logprobs"] = reference_plan(setup, b, chip)
+    if report["rollout"].layout != "train":
+      log(f"  rollout step on the training layout, {b} prompts x {g} ...")
+      report["rollout_train"] = rollout_plan(setup, b, chip, "train")
   if not search:
     return report
   steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
@@ -309,20 +436,42 @@ def _row(r: StepPlan, chip: Chip) -> str:
   if not r.fits and not r.total:
     return f"{head} does not fit: {r.note}"
   gib = lambda b: f"{b / GiB:6.2f}"
+  t = r.times(chip)
+  count = sum(r.collectives.values())
+  token = (f"; a decoded token: {r.token.num_collectives:.0f} collectives, "
+           f"{sum(c.bytes * n for c, n in r.token.collectives.items()) / 2**20:.2f} MiB"
+           if r.token is not None else "")
   return (f"{head} args {gib(r.arguments)}  temp {gib(r.temporaries)}  out "
           f"{gib(r.outputs - r.aliased)}  total {gib(r.total)} GiB of {chip.hbm / GiB:.0f} "
-          f"{'fits' if r.fits else 'DOES NOT FIT'};  {r.flops / 1e12:8.2f} TFLOP, est. "
-          f"{r.seconds(chip) * 1e3:8.1f} ms"
-          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it" if r.kv_cache else ""))
+          f"{'fits' if r.fits else 'DOES NOT FIT'}"
+          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it" if r.kv_cache else "")
+          + f"\n{'':11s}{r.flops / 1e12:.3g} TFLOP, {r.bytes / GiB:.3g} GiB HBM traffic, "
+          f"{count:.0f} collectives{token}\n{'':11s}est. {r.seconds(chip) * 1e3:.1f} ms, bound "
+          f"by {r.bound(chip)} (HBM {t['HBM'] * 1e3:.1f} ms, interconnect "
+          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms)")
 
 
 def format_report(report: dict[str, Any]) -> str:
   chip, m = report["chip"], report["mesh"]
+  rollout = report["rollout"]
   lines = [f"plan for {report['topology']} ({chip.name}: {chip.hbm / GiB:.0f} GiB HBM, "
            f"{chip.flops / 1e12:.0f} TFLOP/s, {chip.bandwidth / 1e9:.0f} GB/s), mesh fsdp "
            f"{m['fsdp']} x tp {m['tp']}; {report['method']}",
-           "per chip; FLOPs count every loop body once per trip; time = roofline lower bound",
-           "configured:", _row(report["train"], chip), _row(report["rollout"], chip)]
+           "per chip; every loop body counted once per trip; time = the bound that binds "
+           "(HBM bytes, collectives' latency + bandwidth, FLOPs), a lower bound",
+           "configured:", _row(report["train"], chip)]
+  if "logprobs" in report:
+    lines.append(_row(report["logprobs"], chip))
+  lines.append(_row(rollout, chip) + (f"  (decode layout {rollout.layout})" if rollout.layout
+                                       else ""))
+  if rollout.resident:
+    train = report["train"]
+    lines.append(f"{'':11s}beside training: the base's copy in the decode layout "
+                 f"{rollout.resident / GiB:.2f} GiB a chip; train step + copy "
+                 f"{(train.total + rollout.resident) / GiB:.2f} GiB, rollout + the train "
+                 f"step's arguments {(rollout.total + train.arguments) / GiB:.2f} GiB")
+  if "rollout_train" in report:
+    lines.append(_row(report["rollout_train"], chip) + "  (training layout)")
   for what, tried in report["tried"].items():
     best = report["largest"].get(what)
     name = "train micro-batch (one pass)" if what == "train" else "rollout batch"
@@ -334,4 +483,12 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"with train.micro_batch={r.micro if r.micro < r.prompts else 'null'} "
               f"({r.prompts // r.micro} pass{'es' if r.micro < r.prompts else ''} per step):",
               _row(r, chip)]
+  for key, name in (("rollout", f"decoding in the {rollout.layout or 'configured'} layout"),
+                    ("rollout_train", "decoding in the training layout")):
+    if key in report:
+      step = step_seconds(report, key)
+      lines.append(f"GRPO step ({name}): est. {step:.3g} s (rollout + "
+                   + ("log-prob forwards + " * ("logprobs" in report))
+                   + f"train): at most {int(SESSION // step) if step else 0} steps in a "
+                   f"{SESSION // 3600}-hour session")
   return "\n".join(lines)

@@ -106,20 +106,24 @@ def sample_token(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.
 
 
 def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingConfig,
-               softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+               softcap: float | None = None, split: Mesh | None = None
+               ) -> tuple[jax.Array, jax.Array]:
   """[B, D] final hidden states -> [B] sampled ids and their log-probs under softmax(logits /
   T): T `cfg.logprob_temperature`, by default the sampling temperature (1 when greedy).
 
   Greedy and top-k sampling go through `heads.vocab_topk` (a two-stage top-k, the
   log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
   [B, V] array is formed); the candidates are the dense path's, and so is the draw for the
-  same key. Plain temperature sampling and top-p alone (a sort of the whole vocabulary) use
-  the dense path.
+  same key. `split`: a decode mesh whose 'tp' chips each hold a slice of the vocabulary
+  (`heads.split_vocab_topk`: only the candidates cross chips). Plain temperature sampling and
+  top-p alone (a sort of the whole vocabulary) use the dense path.
   """
   t = cfg.logprob_temperature or cfg.temperature or 1.0
   if cfg.temperature == 0 or cfg.top_k is not None:
     k = 1 if cfg.temperature == 0 else cfg.top_k
-    vals, ids, lse = heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t)  # z / t
+    vals, ids, lse = (heads.split_vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t, split)
+                      if split is not None else
+                      heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t))  # z / t
     pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
            else _pick(vals if t == cfg.temperature else vals * (t / cfg.temperature), key, cfg))
     take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
@@ -165,20 +169,20 @@ class _Loop(NamedTuple):
 
 
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
-             key: jax.Array, *, cfg: SamplingConfig, num_generations: int):
+             key: jax.Array, *, cfg: SamplingConfig, num_generations: int,
+             split_vocab: bool = False):
   """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
   and [B*G] whether each row stopped (not cut at max_new_tokens).
 
   B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
-  are split over 'fsdp', KV heads over 'tp'.
+  are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp'.
   """
   model = nnx.merge(graphdef, *states)
-  n, g = cfg.max_new_tokens, num_generations
-  rows = prompt.shape[0] * g
-  emb = model.embedding()
-  rep = lambda x: jnp.repeat(x, g, axis=0)
+  n, g, rows, emb = cfg.max_new_tokens, num_generations, prompt.shape[0] * num_generations, \
+      model.embedding()
+  split = mesh if split_vocab and emb.shape[0] % mesh.shape["tp"] == 0 else None
+  rep, shared = lambda x: jnp.repeat(x, g, axis=0), decode.shares_prompt(model)  # Gemma 3
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
-  shared = decode.shares_prompt(model)  # Gemma 3: `models.decode`, each prompt's KV held once
   hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared)
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
@@ -200,7 +204,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   def body(s: _Loop) -> _Loop:
     step_model = nnx.merge(graphdef, *states)  # modules of this trace level (qwix sets attrs)
     key, sub = jax.random.split(s.key)
-    tok, logp = next_token(s.hidden, emb, sub, cfg, model.logit_softcap)
+    tok, logp = next_token(s.hidden, emb, sub, cfg, model.logit_softcap, split)
     tok = jnp.where(s.done, cfg.pad_id, tok)
     live = ~s.done
     tail = jnp.concatenate([s.tail[:, 1:], tok[:, None]], axis=1)
@@ -264,34 +268,76 @@ class Sampler:
   run that keeps recompiling shows it. The graph decodes with remat off whatever the training
   graph uses (`gemma.without_remat`); `states` (arrays or ShapeDtypeStructs) only give its
   structure: parameters (LoRA included) come with each call, never copied.
+
+  `layout` (`rollout.layout`) is where decoding runs: 'train' on the training mesh and
+  placement; 'replicated' or 'tp<k>' on the same devices as rows x k (`mesh.decode_mesh`), the
+  parameters split Megatron-style over k chips (`mesh.decode_shardings`). There a state that
+  never changes (the base weights) is copied into the layout once (`keep`, on device), and the
+  others (the LoRA weights, new each step) are moved at each call.
   """
 
   def __init__(self, graphdef, states: tuple, tokenizer, mesh: Mesh, max_prompt_tokens: int,
-               buckets: Sequence[int] | None = None):
+               buckets: Sequence[int] | None = None, layout: str = "train"):
     graphdef = gemma.without_remat(graphdef, *states)
+    self.layout = layout
+    self.mesh = mesh_lib.decode_mesh(mesh, layout)
     # `generate(states, prompt, prompt_mask, key, cfg=, num_generations=)`: the rollout step
     # the planner compiles from `abstract_inputs`.
-    self.generate = jax.jit(functools.partial(generate, graphdef, mesh),
+    split = layout != "train" and self.mesh.shape["tp"] > 1
+    self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh, split_vocab=split),
                             static_argnames=("cfg", "num_generations"))
     self.tokenizer = tokenizer
-    self.mesh = mesh
     self.max_prompt_tokens = max_prompt_tokens
     self.buckets = tuple(sorted(buckets or default_buckets(max_prompt_tokens)))
     if self.buckets[-1] < max_prompt_tokens:
       raise ValueError(f"the largest prompt bucket {self.buckets[-1]} is smaller than "
                        f"max_prompt_tokens {max_prompt_tokens}")
     self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
+    self._kept: list[tuple[object, object]] = []  # (state, its copy in the decode layout)
 
   @classmethod
-  def for_run(cls, setup: "Setup") -> "Sampler":
+  def for_run(cls, setup: "Setup", layout: str | None = None) -> "Sampler":
+    """The run's sampler, decoding in `layout` (default `rollout.layout`, auto resolved by
+    `plan.decode_layout`), its base weights kept in that layout."""
+    from reasoner.plan import decode_layout
+
     cfg = setup.cfg
-    return cls(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh,
-               cfg.data.max_prompt_tokens, cfg.rollout.prompt_buckets)
+    layout = layout or decode_layout(setup)
+    if layout != "train":
+      log.info("sampler: decoding in the %s layout", layout)
+    sampler = cls(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh,
+                  cfg.data.max_prompt_tokens, cfg.rollout.prompt_buckets, layout)
+    sampler.keep(setup.base)
+    return sampler
+
+  def _shardings(self, state):
+    return mesh_lib.decode_shardings(state, self.mesh)
+
+  def keep(self, state) -> None:
+    """Copies `state`, which never changes (the base weights), into the decode layout once,
+    resharded on device; `sample` then decodes with that copy whenever it is passed `state`.
+    Nothing to do on the training layout or for abstract states (the planner)."""
+    if self.layout != "train" and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
+      self._kept.append((state, jax.device_put(state, self._shardings(state))))
+
+  def in_layout(self, states: tuple) -> tuple:
+    """`states` as decoding reads them: a kept state's copy, the others moved (the LoRA)."""
+    if self.layout == "train":
+      return tuple(states)
+    out = []
+    for s in states:
+      kept = [copy for source, copy in self._kept if source is s]
+      out.append(kept[0] if kept else jax.device_put(s, self._shardings(s)))
+    return tuple(out)
 
   def abstract_inputs(self, states: tuple, prompts: int, g: int,
                       cfg: SamplingConfig) -> tuple[tuple, dict]:
     """(args, kwargs) of `generate` as `sample` calls it for `prompts` x `g` rows of the widest
-    prompts, as placed ShapeDtypeStructs: `states` abstract and sharded."""
+    prompts, as placed ShapeDtypeStructs: `states` abstract, placed in the decode layout."""
+    if self.layout != "train":
+      states = tuple(jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                     sharding=sh),
+                                  s, self._shardings(s)) for s in states)
     c, extra = prompt_layout(self.mesh, prompts, g)
     shape = (prompts * c + extra, bucket(self.max_prompt_tokens, self.buckets))
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(self.mesh))
@@ -332,7 +378,7 @@ class Sampler:
       log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
                "(%d sampler shapes so far)", shape[0], width, g, cfg.max_new_tokens,
                len(self.compiled_shapes))
-    out = self.generate(tuple(states), mesh_lib.put_batch(self.mesh, toks),
+    out = self.generate(self.in_layout(states), mesh_lib.put_batch(self.mesh, toks),
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
     tokens, valid, logps, stopped = (to_host(x)[:rows] for x in out)

@@ -34,6 +34,14 @@ def test_impossible_values():
     tiny_config("grpo.loss_agg=mean")
   with pytest.raises(ConfigError, match=r"'rollout.vocab_chunk' = 0: expected a positive"):
     tiny_config("rollout.vocab_chunk=0")
+  with pytest.raises(ConfigError, match=r"'rollout.layout' = 'tp': expected auto, train, "):
+    tiny_config("rollout.layout=tp")
+  from reasoner import mesh as mesh_lib
+  from reasoner.build import build
+
+  with pytest.raises(ConfigError, match=r"'rollout.layout' = 'tp3': tp 3 does not divide the "
+                                        r"8 devices"):
+    mesh_lib.decode_mesh(build(tiny_config(), abstract=True).mesh, "tp3")
 
 
 def test_batch_must_split_over_data_parallel_size():

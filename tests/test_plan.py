@@ -1,10 +1,13 @@
 """The planner: loop bodies counted once per trip, the search, and plans of the tiny config."""
 
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, tiny_config
 from reasoner import hlo, plan
@@ -62,6 +65,72 @@ def test_trip_count_from_the_induction_variable():
   """A loop XLA left without known_trip_count (TPU's windowed einsums step by 2): i = 0, 2,
   4, 6 -> 4 trips, not the bound 8."""
   assert hlo.hlo_cost(STEP2)[0] == 4 * 2 * 4 * 8 * 8
+
+
+def test_collectives_of_a_sharded_loop_are_counted_once_per_trip_as_in_the_hlo():
+  """A loop whose matmul contracts over 'tp' all-reduces its partial sums on every trip: the
+  count, group and bytes are the program's, and match the compiled HLO's own ops."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+  split = NamedSharding(mesh, P("fsdp", "tp"))
+
+  def f(x, w):
+    body = lambda i, x: jax.lax.with_sharding_constraint(jnp.tanh(x @ w), split)
+    return jax.lax.fori_loop(0, 5, body, x)
+
+  text = jax.jit(f).lower(jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=split),
+                          jax.ShapeDtypeStruct((64, 64), jnp.float32,
+                                               sharding=NamedSharding(mesh, P("tp", None)))
+                          ).compile().as_text()
+  cost = hlo.analyse(text)
+  assert cost.collectives == {hlo.Collective("all-reduce", 2, 4 * 64 * 4): 5}  # [16/4, 64] f32
+  trips, token = cost.decode_loop()
+  assert trips == 5 and token.num_collectives == 1
+  comps, _ = hlo.parse_hlo(text)  # the HLO's own count: collective ops in the loop's body
+  loop = next(op for c in comps.values() for op in c.values() if op.op == "while")
+  body = comps[re.search(r"body=%?([\w.\-]+)", loop.attrs).group(1)]
+  assert sum(op.op == "all-reduce" for op in body.values()) == 1
+  assert re.search(r'"known_trip_count":\{"n":"5"', loop.attrs)
+  chip = plan.CHIPS["v5e"]  # 2 ring steps of 1 us and 1 KiB over a 90 GB/s link
+  assert plan.collective_seconds(hlo.Collective("all-reduce", 2, 1024), chip) == pytest.approx(
+      2e-6 + 1024 / 9e10)
+
+
+TPU_LIKE = """
+%fused (param_0: bf16[2,32,8]) -> bf16[2,32,64] {
+  %param_0 = bf16[2,32,8]{1,2,0:T(8,128)(2,1)} parameter(0)
+  %ag = bf16[2,32,64]{1,2,0:T(8,128)(2,1)S(1)} all-gather(%param_0), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, dimensions={2}
+  ROOT %cc = bf16[2,32,64]{1,2,0:T(8,128)(2,1)S(1)} custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}
+
+ENTRY %main (a: f32[64,128], b: bf16[2,32,8], c: f32[4,1]) -> f32[64,128] {
+  %a = f32[64,128]{1,0:T(8,128)} parameter(0)
+  %b = bf16[2,32,8]{1,2,0:T(8,128)(2,1)} parameter(1)
+  %c = f32[4,1]{0,1:T(1,128)} parameter(2)
+  %cs = (f32[64,128]{1,0:T(8,128)S(1)}, f32[64,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%a)
+  %cd = f32[64,128]{1,0:T(8,128)S(1)} copy-done(%cs)
+  %fu = bf16[2,32,64]{1,2,0:T(8,128)(2,1)S(1)} fusion(%b), kind=kCustom, calls=%fused
+  %ps = (f32[4,1]{0,1:T(1,128)S(1)}, f32[4,1]{0,1:T(1,128)S(1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%c), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %pd = f32[4,1]{0,1:T(1,128)S(1)} collective-permute-done(%ps)
+  %ss = ((f32[64,128]{1,0:T(8,128)}), f32[16,128]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[0:16], [0:128]}
+  %sd = f32[16,128]{1,0:T(8,128)S(1)} slice-done(%ss)
+  ROOT %e = f32[64,128]{1,0:T(8,128)} exponential(%cd)
+}
+"""
+
+
+def test_on_chip_buffers_are_not_hbm_traffic_and_async_collectives_count_once():
+  """TPU's HLO: a prefetch into VMEM (`S(1)`) reads its HBM source once (a sliced prefetch
+  only its part); the on-chip copy, the fusion's VMEM result and each -done move no HBM bytes;
+  a collective inside a fusion and a -start/-done pair count once each, groups from the mesh
+  form and the permute's pairs."""
+  cost = hlo.analyse(TPU_LIKE)
+  a, b, c = 64 * 128 * 4, 2 * 32 * 8 * 2, 4 * 4
+  # copy-start reads a, the fusion b, the permute c, the slice-start a quarter of a; the
+  # exponential writes its HBM result (its input is on chip)
+  assert cost.bytes == a + b + c + a // 4 + a
+  assert cost.collectives == {
+      hlo.Collective("all-gather", 8, 2 * 32 * 64 * 2): 1,
+      hlo.Collective("collective-permute", 2, 16): 1}
 
 
 def test_search_finds_the_largest_fitting_batch_in_few_compiles():
@@ -130,7 +199,32 @@ def test_compiled_plan_of_the_tiny_config_for_v5e():
                      "v5e:2x4", search=False)
   assert "libtpu" in report["method"]
   assert report["train"].fits and 0 < report["train"].total < plan.GiB
-  assert report["rollout"].flops > 1.2 * report["rollout"].xla_flops  # 32 decode steps
+  assert report["rollout_train"].flops > 1.2 * report["rollout_train"].xla_flops  # 32 steps
+  # auto decodes with the whole tiny model on each chip: one collective a token (whether all
+  # rows are done), where the training layout takes dozens.
+  decode, train_layout = report["rollout"], report["rollout_train"]
+  assert decode.layout == "replicated" and decode.token.num_collectives == 1
+  assert train_layout.token.num_collectives > 20
+  assert decode.seconds(report["chip"]) < 0.4 * train_layout.seconds(report["chip"])
+  assert "steps in a 9-hour session" in plan.format_report(report)
+
+
+def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip():
+  from reasoner.build import build
+
+  setup = build(tiny_config(), abstract=True)
+  weights = plan._nbytes(setup.base)
+  chip = plan.CHIPS["v5e"]
+  assert plan.decode_layout(setup) == "train"  # XLA:CPU: no memory figure, no copies
+  assert plan.decode_layout(setup, 4 * weights, chip) == "replicated"  # no collective at all
+  assert plan.decode_layout(setup, 4 * weights // 8 + 8, chip) == "tp8"  # only 1/8 fits
+  assert plan.decode_layout(setup, 1, chip) == "train"  # no copy fits
+  est = {k: plan.decode_estimate(setup, k, chip) for k in (1, 2, 8)}
+  assert est[1]["interconnect"] == 0 < est[2]["interconnect"] < est[8]["interconnect"]
+  lora = plan._nbytes(setup.lora)  # each chip reads its share of the weights, and its rows'
+  for k in (1, 2, 8):  # KV cache, more of it the fewer chips the rows split over
+    assert est[k]["HBM"] > (weights + lora) / k / chip.bandwidth
+  assert plan.decode_layout(build(tiny_config("rollout.layout=tp2"), abstract=True)) == "tp2"
 
 
 def test_plan_command_line(capsys):

@@ -322,3 +322,50 @@ def test_building_the_sampler_leaves_the_train_steps_remat():
                       "rollout.max_new_tokens=32")
     flops[remat] = plan.plan(cfg, "cpu", search=False)["train"].flops
   assert flops["block"] > 1.05 * flops["none"] and flops["decoder"] > 1.05 * flops["none"], flops
+
+
+def _gemma2_state(setup, heads=4, kv=2):
+  from reasoner.models import gemma
+
+  _, gemma_lib, _, gemma2_cls = gemma.classes()
+  tcfg = dataclasses.replace(
+      gemma_lib.ModelConfig.gemma2_2b(), num_layers=2,
+      num_embed=setup.model().embedding().shape[0], embed_dim=64, hidden_dim=128,
+      num_heads=heads, head_dim=16, num_kv_heads=kv, sliding_window_size=128,
+      attention_types=gemma_lib.ModelConfig.gemma2_2b().attention_types[:2])
+  spec = gemma.ModelSpec(family="gemma2", tunix_config=tcfg, cls=gemma2_cls, dtype=jnp.float32)
+  return nnx.split(gemma.init_random(spec, setup.mesh, 0))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_decode_layouts_sample_what_the_training_layout_samples(setup, family):
+  """Each decode layout on 8 devices, against the training layout: greedy tokens equal, and
+  sampled tokens and their log-probs for the same key (top-k 32, 3 prompts x 4). The base is
+  copied into the layout once and that copy decodes; the LoRA moves at each call."""
+  if family == "gemma3":
+    graphdef, states = setup.graphdef, (setup.lora, setup.base)
+  else:
+    graphdef, state = _gemma2_state(setup)
+    states = (state,)
+  prompts = ["Q: 1 + 2?", "Question: 22?", "Q: 3?"]
+  greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+  drawn = SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=32)
+  out = {}
+  for layout in ("train", "replicated", "tp2", "tp4", "tp8"):
+    sampler = Sampler(graphdef, states, setup.tokenizer, setup.mesh, 64, layout=layout)
+    sampler.keep(states[-1])
+    out[layout] = [sampler.sample(states, prompts, jax.random.PRNGKey(3), c, 4)[0]
+                   for c in (greedy, drawn)]
+    placed = sampler.in_layout(states)[-1]
+    assert placed is (states[-1] if layout == "train" else sampler._kept[0][1])
+    if layout != "train":
+      tp = mesh_lib.decode_tp(layout)
+      assert dict(sampler.mesh.shape) == {"fsdp": 8 // tp, "tp": tp}
+      specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(placed)}
+      assert not any("fsdp" in str(s) for s in specs)  # rows only: no weight over 'fsdp'
+      assert any("tp" in str(s) for s in specs) == (tp > 1)
+  for layout, (g, d) in out.items():
+    np.testing.assert_array_equal(g.tokens, out["train"][0].tokens, err_msg=layout)
+    np.testing.assert_array_equal(d.tokens, out["train"][1].tokens, err_msg=layout)
+    np.testing.assert_allclose(d.logprobs, out["train"][1].logprobs, atol=2e-5, err_msg=layout)
+  assert len({tuple(r) for r in out["train"][1].tokens}) > 1  # the draws are not all alike
