@@ -246,9 +246,9 @@ def decode_layout(setup, hbm: int | None = None, chip: Chip | None = None) -> st
   layout, n = setup.cfg.rollout.layout, setup.mesh.size
   if layout != "auto":
     return layout
-  if hbm is None:
-    stats = setup.mesh.devices.flat[0].memory_stats() if n > 1 else None
-    hbm = (stats or {}).get("bytes_limit")
+  if hbm is None and n > 1:  # this process's own chip: another host's has no memory figure
+    local = [d for d in setup.mesh.devices.flat if d.process_index == jax.process_index()]
+    hbm = ((local[0].memory_stats() if local else None) or {}).get("bytes_limit")
   if n == 1 or not hbm:
     return "train"
   chip = chip or CHIPS["v5e"]
