@@ -113,11 +113,11 @@ def _size(mesh: Mesh, axes) -> int:
   return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 
 
-def placed(state: Any, mesh: Mesh) -> Any:
-  """An abstract nnx.State as ShapeDtypeStructs carrying the NamedShardings its parameters'
-  rules give them on `mesh` (`shardings`)."""
+def placed(state: Any, mesh: Mesh, rule: Callable[[Any, Mesh], Any] | None = None) -> Any:
+  """An abstract nnx.State as ShapeDtypeStructs carrying the NamedShardings `rule` gives them on
+  `mesh`: by default their parameters' rules (`shardings`), or e.g. `decode_shardings`."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                      shardings(state, mesh))
+                      (rule or shardings)(state, mesh))
 
 
 def param_rules(tunix_lib: Any) -> Any:

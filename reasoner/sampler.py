@@ -335,9 +335,7 @@ class Sampler:
     """(args, kwargs) of `generate` as `sample` calls it for `prompts` x `g` rows of the widest
     prompts, as placed ShapeDtypeStructs: `states` abstract, placed in the decode layout."""
     if self.layout != "train":
-      states = tuple(jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                     sharding=sh),
-                                  s, self._shardings(s)) for s in states)
+      states = tuple(mesh_lib.placed(s, self.mesh, mesh_lib.decode_shardings) for s in states)
     c, extra = prompt_layout(self.mesh, prompts, g)
     shape = (prompts * c + extra, bucket(self.max_prompt_tokens, self.buckets))
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(self.mesh))
