@@ -8,13 +8,16 @@ Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
 - Batches and activations: rows over 'fsdp' where they divide evenly, else replicated
   (`batch_placement`, `activation_placement`, `micro_placement`).
 - The KV cache: rows over 'fsdp', KV heads over 'tp' where they divide (`kv_cache_spec`,
-  `slot_major_sharding`).
+  `slot_major_sharding`); in decoding, rows over 'tp' too where the heads do not
+  (`attention_over_rows`, `decode_rows`).
 - The chunked head: token chunks over 'fsdp', the vocabulary over 'tp' or over both
   (`vocab_axis`, `vocab_axes`).
 - Decoding (`rollout.layout`): the same devices as rows x tp (`decode_mesh`), each parameter
   split over 'tp' only, Megatron-style (`decode_shardings`): heads, MLP columns then rows and
   the vocabulary over 'tp', nothing over 'fsdp', which holds rows alone. 'replicated' is tp 1:
-  every chip holds the whole model and decodes its own rows with no collective at all.
+  every chip holds the whole model and decodes its own rows with no collective at all. Where
+  'tp' cannot split the KV heads (Gemma 3 1B has one), the attention weights are whole on every
+  chip instead and attention runs data-parallel over all the chips, each on its own rows.
 """
 
 from __future__ import annotations
@@ -141,11 +144,37 @@ def kv_cache_spec(num_kv_heads: int, mesh: Mesh) -> P:
   return P("fsdp", None, "tp" if tp > 1 and num_kv_heads % tp == 0 else None, None)
 
 
-def slot_major_sharding(num_kv_heads: int, mesh: Mesh) -> NamedSharding:
+def slot_major_sharding(num_kv_heads: int, mesh: Mesh,
+                        rows: tuple[str, ...] = ("fsdp",)) -> NamedSharding:
   """`kv_cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H],
-  `models.decode`): its prompt part splits prompts over 'fsdp', its new part rows."""
-  rows, slots, *rest = kv_cache_spec(num_kv_heads, mesh)
-  return NamedSharding(mesh, P(slots, rows, *rest))
+  `models.decode`), its rows over `rows`: the prompt part's prompts over 'fsdp', the new
+  part's rows over `decode_rows`."""
+  _, slots, heads, dim = kv_cache_spec(num_kv_heads, mesh)
+  return NamedSharding(mesh, P(slots, rows if len(rows) > 1 else rows[0],
+                               None if "tp" in rows else heads, dim))
+
+
+def attention_over_rows(num_kv_heads: int, mesh: Mesh) -> bool:
+  """Whether decoding on `mesh` runs attention data-parallel over every chip rather than
+  Megatron-style over 'tp': where 'tp' cannot split the KV heads, each chip of a tp group would
+  otherwise hold and read the whole KV cache of the group's rows (Gemma 3 1B, one KV head:
+  at 32 rows x 1024 slots more bytes a token than the chip's share of the weights). Over rows,
+  each chip holds and reads its own rows' cache; the attention weights are then whole on
+  every chip (`decode_shardings`) and one all-gather of the rows' outputs a layer replaces
+  the all-reduce after the attention's output projection."""
+  return mesh.shape["tp"] > 1 and num_kv_heads % mesh.shape["tp"] != 0
+
+
+def decode_rows(mesh: Mesh, rows: int, g: int, over_rows: bool) -> tuple[str, ...]:
+  """The axes a decode step splits its `rows` (prompt groups of `g`) over in attention and in
+  the new part of the KV cache: 'fsdp', and 'tp' with `over_rows` (`attention_over_rows`) where
+  the rows divide over every chip and each chip's rows are whole groups or one group's part
+  (so that its prompt is one slice of its 'fsdp' block's prompts)."""
+  chips = mesh.shape["fsdp"] * mesh.shape["tp"]
+  c = rows // chips
+  if not over_rows or mesh.shape["tp"] == 1 or rows % chips or not (c % g == 0 or g % c == 0):
+    return ("fsdp",)
+  return ("fsdp", "tp")
 
 
 def vocab_axis(mesh: Mesh | None, vocab: int) -> str | None:
@@ -188,12 +217,18 @@ def decode_mesh(mesh: Mesh, layout: str) -> Mesh:
   return Mesh(devices.reshape(len(devices) // tp, tp), AXES)
 
 
-def decode_shardings(state: Any, mesh: Mesh) -> Any:
+def in_attention(path: tuple) -> bool:
+  """Whether a state leaf's tree path is under an attention module ('attn')."""
+  return any(getattr(k, "key", None) == "attn" for k in path)
+
+
+def decode_shardings(state: Any, mesh: Mesh, attention_whole: bool = False) -> Any:
   """Each parameter's rule on a decode mesh with 'fsdp' dropped (Tunix's own rules for
   sampling), and vectors (norm scales, biases) whole on every chip: one all-reduce after the
-  attention output and one after the MLP's down projection, none in a norm."""
-  def decode(a, s: NamedSharding) -> NamedSharding:
-    if len(a.shape) <= 1:
+  attention output and one after the MLP's down projection, none in a norm. `attention_whole`
+  (`attention_over_rows`): the attention's parameters (LoRA included) whole on every chip."""
+  def decode(path, a, s: NamedSharding) -> NamedSharding:
+    if len(a.shape) <= 1 or attention_whole and in_attention(path):
       return NamedSharding(mesh, P())
     spec = [None if ax is None else tuple(x for x in ((ax,) if isinstance(ax, str) else ax)
                                           if x != "fsdp" and mesh.shape[x] > 1) or None
@@ -201,7 +236,7 @@ def decode_shardings(state: Any, mesh: Mesh) -> Any:
     return NamedSharding(mesh, P(*[ax[0] if isinstance(ax, tuple) and len(ax) == 1 else ax
                                    for ax in spec]))
 
-  return jax.tree.map(decode, state, shardings(state, mesh))
+  return jax.tree_util.tree_map_with_path(decode, state, shardings(state, mesh))
 
 
 def put_batch(mesh: Mesh, host: np.ndarray) -> jax.Array:

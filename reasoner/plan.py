@@ -123,19 +123,24 @@ class StepPlan:
 
 # ------------------------------------------------------------------------------- compiling
 
+def out_of_memory(e: Exception, plan: StepPlan) -> StepPlan:
+  """`plan` (not fitting) with what a compile that ran out of HBM said; other errors raise."""
+  msg = str(e)
+  if "RESOURCE_EXHAUSTED" not in msg and "memory" not in msg.lower():
+    raise e
+  m = re.search(r"(?:required[^(]*\(|Used )([\d.]+)([KMGT])", msg)
+  plan.needed = int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else 0
+  plan.note = msg.strip().splitlines()[0][:200]
+  return plan
+
+
 def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: int,
                  chip: Chip) -> StepPlan:
   """Lowers and compiles `fn` (a jax.jit) on abstract args; out of memory -> fits=False."""
   try:
     compiled = fn.lower(*args, **kwargs).compile()
   except Exception as e:  # XlaRuntimeError; its type moves between jax versions
-    msg = str(e)
-    if "RESOURCE_EXHAUSTED" not in msg and "memory" not in msg.lower():
-      raise
-    m = re.search(r"(?:required[^(]*\(|Used )([\d.]+)([KMGT])", msg)
-    need = int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else 0
-    return StepPlan(what, prompts, rows, fits=False, needed=need,
-                    note=msg.strip().splitlines()[0][:200])
+    return out_of_memory(e, StepPlan(what, prompts, rows, fits=False))
   mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   seen = analyse(compiled.as_text())
@@ -169,9 +174,8 @@ def reference_plan(setup, prompts: int, chip: Chip) -> StepPlan:
 
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
-  base, state, batch = trainer.abstract_inputs(setup.lora, prompts, g,
-                                               cfg.data.max_prompt_tokens,
-                                               cfg.rollout.max_new_tokens)
+  base, _, batch = trainer.abstract_inputs(setup.lora, prompts, g, cfg.data.max_prompt_tokens,
+                                           cfg.rollout.max_new_tokens)
   return compile_plan(trainer._logprobs, (base, setup.lora, *batch[:4]), {}, "logprobs",
                       prompts, prompts * g, chip)
 
@@ -201,7 +205,8 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   out.kv_cache = kv_cache_bytes(setup.spec.tunix_config, args[1].shape[0],
                                 kwargs["num_generations"], cfg.data.max_prompt_tokens,
                                 cfg.rollout.max_new_tokens, cfg.model.dtype, sampler.mesh,
-                                shared=setup.spec.family == "gemma3")
+                                shared=setup.spec.family == "gemma3",
+                                over_rows=sampler.over_rows)
   out.layout = sampler.layout
   if sampler.layout != "train":  # the base's copy in the decode layout, held through training
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -211,38 +216,50 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
 
 # ---------------------------------------------------------------------- the decode layout
 
-def _nbytes(state) -> int:
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+def _nbytes(state, where: Callable[[Any], bool] = lambda path: True) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if where(path))
+
+
+def _decode_mesh(setup, tp: int):  # (the decode mesh of `tp`, whether attention is over rows)
+  mesh = mesh_lib.decode_mesh(setup.mesh, "replicated" if tp == 1 else f"tp{tp}")
+  return mesh, setup.spec.family == "gemma3" and mesh_lib.attention_over_rows(
+      setup.spec.tunix_config.num_kv_heads, mesh)
+
+
+def copy_bytes(setup, state, tp: int) -> float:
+  """Bytes a chip holds of `state` in the decode layout of `tp` (`mesh.decode_shardings`):
+  1 / tp of each parameter, the attention's whole where attention runs over rows."""
+  whole = _nbytes(state, mesh_lib.in_attention) if _decode_mesh(setup, tp)[1] else 0
+  return (_nbytes(state) - whole) / tp + whole
 
 
 def decode_estimate(setup, tp: int, chip: Chip) -> dict[str, float]:
   """Seconds of one decoded token (all rows) in the decode layout of `tp`, bound by HBM (the
-  chip's share of the weights, its rows' KV cache) or by the interconnect (two all-reduces of
+  chip's copy of the weights, its rows' KV cache) or by the interconnect (two collectives of
   the rows' hidden states a layer over `tp` chips, and the head's top-k candidates)."""
   from reasoner.models.cache import kv_cache_bytes
 
-  cfg, t = setup.cfg, setup.spec.tunix_config
-  n = setup.mesh.size
-  mesh = mesh_lib.decode_mesh(setup.mesh, "replicated" if tp == 1 else f"tp{tp}")
+  cfg, t, (mesh, over_rows) = setup.cfg, setup.spec.tunix_config, _decode_mesh(setup, tp)
   g, prompts = cfg.rollout.num_generations, cfg.train.batch_size
   c, extra = prompt_layout(mesh, prompts, g)
   kv = kv_cache_bytes(t, prompts * c + extra, g // c, cfg.data.max_prompt_tokens,
                       cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
-                      shared=setup.spec.family == "gemma3")
-  rows = -(-prompts * g // (n // tp))  # a chip's rows
+                      setup.spec.family == "gemma3", over_rows)
+  rows = -(-prompts * g // (setup.mesh.size // tp))  # a chip's rows
   hidden = Collective("all-reduce", tp, rows * t.embed_dim * 4)
   topk = Collective("all-gather", tp, rows * tp * (cfg.rollout.top_k or 1) * 8)
-  return {"HBM": (_nbytes(setup.base) + _nbytes(setup.lora)) / tp / chip.bandwidth
-          + kv / chip.bandwidth,
+  weights = copy_bytes(setup, setup.base, tp) + copy_bytes(setup, setup.lora, tp)
+  return {"HBM": (weights + kv) / chip.bandwidth,
           "interconnect": 2 * t.num_layers * collective_seconds(hidden, chip)
           + collective_seconds(topk, chip)}
 
 
 def decode_layout(setup, hbm: int | None = None, chip: Chip | None = None) -> str:
   """`rollout.layout`, with 'auto' resolved: of the layouts whose copy of the base weights
-  takes at most a quarter of a chip's memory (`hbm`, else the device's), the one whose
-  decoded token `decode_estimate` finds fastest; 'train' on one device or where a chip's
-  memory is unknown (XLA:CPU: a copy per fake device would cost the host's memory)."""
+  (`copy_bytes`) takes at most a quarter of a chip's memory (`hbm`, else the device's), the
+  one whose decoded token `decode_estimate` finds fastest; 'train' on one device or where a
+  chip's memory is unknown (XLA:CPU: a copy per fake device would cost the host's memory)."""
   layout, n = setup.cfg.rollout.layout, setup.mesh.size
   if layout != "auto":
     return layout
@@ -252,8 +269,7 @@ def decode_layout(setup, hbm: int | None = None, chip: Chip | None = None) -> st
   if n == 1 or not hbm:
     return "train"
   chip = chip or CHIPS["v5e"]
-  weights = _nbytes(setup.base)
-  fits = [k for k in range(1, n + 1) if n % k == 0 and weights / k <= hbm / 4]
+  fits = [k for k in range(1, n + 1) if n % k == 0 and copy_bytes(setup, setup.base, k) <= hbm / 4]
   if not fits:
     return "train"
   best = min(fits, key=lambda k: max(decode_estimate(setup, k, chip).values()))

@@ -170,12 +170,13 @@ class _Loop(NamedTuple):
 
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, *, cfg: SamplingConfig, num_generations: int,
-             split_vocab: bool = False):
+             split_vocab: bool = False, over_rows: bool = False):
   """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
   and [B*G] whether each row stopped (not cut at max_new_tokens).
 
   B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
-  are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp'.
+  are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp';
+  `over_rows`: attention over each chip's own rows where they divide (`mesh.decode_rows`).
   """
   model = nnx.merge(graphdef, *states)
   n, g, rows, emb = cfg.max_new_tokens, num_generations, prompt.shape[0] * num_generations, \
@@ -183,7 +184,9 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   split = mesh if split_vocab and emb.shape[0] % mesh.shape["tp"] == 0 else None
   rep, shared = lambda x: jnp.repeat(x, g, axis=0), decode.shares_prompt(model)  # Gemma 3
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
-  hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared)
+  axes = mesh_lib.decode_rows(mesh, rows, g, over_rows and shared)
+  hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared, axes)
+  attention_mesh = mesh if "tp" in axes else None
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
   def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
@@ -191,7 +194,7 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     pos = (prompt_len + step)[:, None]
     if shared:
       h, c = m.hidden_states(tok[:, None], pos, decode.Cache(prompt_kv, cache), prompt_mask,
-                             step=step)
+                             attention_mesh, step=step)
       return h[:, 0], c.new
     fresh = jnp.broadcast_to(jnp.arange(n) <= step, (rows, n))
     seen = jnp.concatenate([row_prompt_mask, fresh], axis=1)
@@ -271,7 +274,8 @@ class Sampler:
 
   `layout` (`rollout.layout`) is where decoding runs: 'train' on the training mesh and
   placement; 'replicated' or 'tp<k>' on the same devices as rows x k (`mesh.decode_mesh`), the
-  parameters split Megatron-style over k chips (`mesh.decode_shardings`). There a state that
+  parameters split Megatron-style over k chips (`mesh.decode_shardings`; Gemma 3's attention
+  over each chip's own rows where 'tp' cannot split its KV heads, `over_rows`). There a state that
   never changes (the base weights) is copied into the layout once (`keep`, on device), and the
   others (the LoRA weights, new each step) are moved at each call.
   """
@@ -284,7 +288,12 @@ class Sampler:
     # `generate(states, prompt, prompt_mask, key, cfg=, num_generations=)`: the rollout step
     # the planner compiles from `abstract_inputs`.
     split = layout != "train" and self.mesh.shape["tp"] > 1
-    self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh, split_vocab=split),
+    model = nnx.merge(graphdef, *states)
+    # attention over each chip's own rows where 'tp' cannot split the KV heads (Gemma 3 only)
+    self.over_rows = split and decode.shares_prompt(model) and mesh_lib.attention_over_rows(
+        model.config.num_kv_heads, self.mesh)
+    self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh, split_vocab=split,
+                                              over_rows=self.over_rows),
                             static_argnames=("cfg", "num_generations"))
     self.tokenizer = tokenizer
     self.max_prompt_tokens = max_prompt_tokens
@@ -310,8 +319,8 @@ class Sampler:
     sampler.keep(setup.base)
     return sampler
 
-  def _shardings(self, state):
-    return mesh_lib.decode_shardings(state, self.mesh)
+  def _shardings(self, state, mesh: Mesh | None = None):
+    return mesh_lib.decode_shardings(state, mesh or self.mesh, self.over_rows)
 
   def keep(self, state) -> None:
     """Copies `state`, which never changes (the base weights), into the decode layout once,
@@ -335,7 +344,7 @@ class Sampler:
     """(args, kwargs) of `generate` as `sample` calls it for `prompts` x `g` rows of the widest
     prompts, as placed ShapeDtypeStructs: `states` abstract, placed in the decode layout."""
     if self.layout != "train":
-      states = tuple(mesh_lib.placed(s, self.mesh, mesh_lib.decode_shardings) for s in states)
+      states = tuple(mesh_lib.placed(s, self.mesh, self._shardings) for s in states)
     c, extra = prompt_layout(self.mesh, prompts, g)
     shape = (prompts * c + extra, bucket(self.max_prompt_tokens, self.buckets))
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(self.mesh))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, tiny_config
-from reasoner import hlo, plan
+from reasoner import hlo, mesh as mesh_lib, plan
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -217,7 +217,11 @@ def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip
   chip = plan.CHIPS["v5e"]
   assert plan.decode_layout(setup) == "train"  # XLA:CPU: no memory figure, no copies
   assert plan.decode_layout(setup, 4 * weights, chip) == "replicated"  # no collective at all
-  assert plan.decode_layout(setup, 4 * weights // 8 + 8, chip) == "tp8"  # only 1/8 fits
+  # tp8's copy, the smallest: 1/8 of the weights, the attention's whole (one KV head: over rows)
+  eighth = plan.copy_bytes(setup, setup.base, 8)
+  attention = plan._nbytes(setup.base, mesh_lib.in_attention)
+  assert eighth == (weights - attention) / 8 + attention < plan.copy_bytes(setup, setup.base, 4)
+  assert plan.decode_layout(setup, 4 * eighth + 8, chip) == "tp8"  # only tp8's copy fits
   assert plan.decode_layout(setup, 1, chip) == "train"  # no copy fits
   est = {k: plan.decode_estimate(setup, k, chip) for k in (1, 2, 8)}
   assert est[1]["interconnect"] == 0 < est[2]["interconnect"] < est[8]["interconnect"]
@@ -225,6 +229,27 @@ def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip
   for k in (1, 2, 8):  # KV cache, more of it the fewer chips the rows split over
     assert est[k]["HBM"] > (weights + lora) / k / chip.bandwidth
   assert plan.decode_layout(build(tiny_config("rollout.layout=tp2"), abstract=True)) == "tp2"
+
+
+def test_attention_over_rows_keeps_two_collectives_a_layer():
+  """The tiny model (one KV head) decoding in tp4 on 8 CPU devices: attention runs over each
+  chip's own rows (its cache's rows split over all 8 chips), and a decoded token still takes at
+  most two collectives a layer (the attention's all-gather, the MLP's all-reduce) and two more
+  (the head's candidates, "all done?"), none of them vocabulary-sized."""
+  from reasoner.build import build
+  from reasoner.models.cache import kv_cache_bytes
+
+  setup = build(tiny_config("rollout.layout=tp4", "data.max_prompt_tokens=64"), abstract=True)
+  r = plan.rollout_plan(setup, 4, plan.CHIPS["v5e"])
+  layers, t = setup.spec.num_layers, setup.spec.tunix_config
+  assert r.layout == "tp4" and 0 < r.token.num_collectives <= 2 * layers + 2
+  assert max(c.bytes for c in r.token.collectives) < 16 * t.num_embed * 4 / 2  # [16, V] f32
+  gathers = [n for c, n in r.token.collectives.items() if c.kind == "all-gather" and c.group == 4
+             and c.bytes == 8 * t.embed_dim * 4]  # a tp group's 8 rows' f32 outputs, one a layer
+  assert sum(gathers) == layers
+  mesh = mesh_lib.decode_mesh(setup.mesh, "tp4")
+  args = (t, 4, 4, 64, setup.cfg.rollout.max_new_tokens, setup.cfg.model.dtype, mesh, True)
+  assert r.kv_cache == kv_cache_bytes(*args, over_rows=True) < kv_cache_bytes(*args)
 
 
 def test_plan_command_line(capsys):

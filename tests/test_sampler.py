@@ -273,13 +273,18 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert per_device == expected
   k = cache["layer_0"]["k"].addressable_shards[0].data
   assert k.shape == (rows // mesh_shape[0], size, kv_heads // (2 if kv_heads == 2 else 1), 16)
-  # Gemma 3's decode layout (`models.decode.Cache`): each prompt's slots once, rows' new slots
-  slots = mesh_lib.slot_major_sharding(spec.num_kv_heads, mesh)
+  # Gemma 3's decode layout (`models.decode.Cache`): each prompt's slots once, rows' new slots;
+  # one KV head on tp 2: the new slots' rows over every chip (attention over rows)
+  over_rows = mesh_lib.attention_over_rows(kv_heads, mesh)
+  axes = mesh_lib.decode_rows(mesh, rows, g, over_rows)
+  assert axes == (("fsdp", "tp") if kv_heads == 1 and mesh_shape[1] == 2 else ("fsdp",))
+  slots = lambda axes: mesh_lib.slot_major_sharding(spec.num_kv_heads, mesh, axes)
   make = jax.jit(lambda: decode.Cache(
       decode.from_prefill(shard_cache(init_cache(spec, prompts, p, jnp.bfloat16), spec, mesh),
-                          slots), decode.empty(spec, rows, n, jnp.bfloat16, slots)))
+                          slots(("fsdp",))),
+      decode.empty(spec, rows, n, jnp.bfloat16, slots(axes))))
   compiled, shared = make.lower().compile(), make()
-  expected = kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh, shared=True)
+  expected = kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh, True, over_rows)
   assert compiled.memory_analysis().output_size_in_bytes == expected + 8 * 4 * spec.num_layers
   per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(shared))
   assert per_device == expected < kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh,
@@ -287,7 +292,8 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   heads = k.shape[2:]
   assert shared.prompt["layer_0"][0].addressable_shards[0].data.shape == (
       p, prompts // mesh_shape[0]) + heads
-  assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (n, k.shape[0]) + heads
+  assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (
+      n, k.shape[0] // (mesh_shape[1] if "tp" in axes else 1)) + heads
 
 
 def test_sampler_runs_with_block_and_decoder_remat():
@@ -339,23 +345,25 @@ def _gemma2_state(setup, heads=4, kv=2):
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 def test_decode_layouts_sample_what_the_training_layout_samples(setup, family):
-  """Each decode layout on 8 devices, against the training layout: greedy tokens equal, and
-  sampled tokens and their log-probs for the same key (top-k 32, 3 prompts x 4). The base is
-  copied into the layout once and that copy decodes; the LoRA moves at each call."""
+  """Each decode layout on 8 devices, against the training layout: greedy tokens equal (3
+  prompts x 4: 12 rows, attention over 'fsdp' rows), and sampled tokens and their log-probs
+  for the same key (top-k 32, 4 prompts x 4: Gemma 3's single KV head puts attention over every
+  chip's own rows in tp layouts). The base is copied into the layout once and that copy
+  decodes; the LoRA moves at each call."""
   if family == "gemma3":
     graphdef, states = setup.graphdef, (setup.lora, setup.base)
   else:
     graphdef, state = _gemma2_state(setup)
     states = (state,)
-  prompts = ["Q: 1 + 2?", "Question: 22?", "Q: 3?"]
+  prompts = ["Q: 1 + 2?", "Question: 22?", "Q: 3?", "Q: 4 * 5?"]
   greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
   drawn = SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=32)
   out = {}
   for layout in ("train", "replicated", "tp2", "tp4", "tp8"):
     sampler = Sampler(graphdef, states, setup.tokenizer, setup.mesh, 64, layout=layout)
     sampler.keep(states[-1])
-    out[layout] = [sampler.sample(states, prompts, jax.random.PRNGKey(3), c, 4)[0]
-                   for c in (greedy, drawn)]
+    out[layout] = [sampler.sample(states, prompts[:n], jax.random.PRNGKey(3), c, 4)[0]
+                   for c, n in ((greedy, 3), (drawn, 4))]
     placed = sampler.in_layout(states)[-1]
     assert placed is (states[-1] if layout == "train" else sampler._kept[0][1])
     if layout != "train":
@@ -364,6 +372,10 @@ def test_decode_layouts_sample_what_the_training_layout_samples(setup, family):
       specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(placed)}
       assert not any("fsdp" in str(s) for s in specs)  # rows only: no weight over 'fsdp'
       assert any("tp" in str(s) for s in specs) == (tp > 1)
+      assert sampler.over_rows == (family == "gemma3" and tp > 1)  # Gemma 3 only
+      attn = [x.sharding.spec for p, x in jax.tree_util.tree_flatten_with_path(placed)[0]
+              if "'attn'" in str(p) and x.ndim > 1]
+      assert attn and all((tuple(s) == ()) == sampler.over_rows for s in attn)
   for layout, (g, d) in out.items():
     np.testing.assert_array_equal(g.tokens, out["train"][0].tokens, err_msg=layout)
     np.testing.assert_array_equal(d.tokens, out["train"][1].tokens, err_msg=layout)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from reasoner.mesh import kv_cache_spec
+from reasoner.mesh import decode_rows, kv_cache_spec
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -37,18 +37,21 @@ def init_cache(spec_cfg: Any, batch: int, size: int, dtype) -> dict:
 
 
 def kv_cache_bytes(spec_cfg: Any, prompts: int, g: int, prompt_len: int, new_tokens: int,
-                   dtype, mesh: Mesh, shared: bool) -> int:
+                   dtype, mesh: Mesh, shared: bool, over_rows: bool = False) -> int:
   """Bytes of KV cache one chip holds for a rollout of `prompts` x `g` rows (`prompts` a
   multiple of 'fsdp'), as the sampler lays it out: shared (Gemma 3, `decode.Cache`), each
-  prompt's slots once and each row's new slots; otherwise (Gemma 2, Tunix's cache) each row's
-  prompt and new slots and an int32 end_index. The planner's compiled figure must agree."""
+  prompt's slots once and each row's new slots, those rows over `decode_rows` (`over_rows`:
+  `attention_over_rows`); otherwise (Gemma 2, Tunix's cache) each row's prompt and new slots
+  and an int32 end_index. The planner's compiled figure must agree."""
   heads_per_chip = spec_cfg.num_kv_heads
   if kv_cache_spec(spec_cfg.num_kv_heads, mesh)[2] == "tp":
     heads_per_chip //= mesh.shape["tp"]
   per_slot = 2 * heads_per_chip * spec_cfg.head_dim * jnp.dtype(dtype).itemsize
   b = -(-prompts // mesh.shape["fsdp"])  # prompts per chip
   if shared:
-    return spec_cfg.num_layers * (b * prompt_len + b * g * new_tokens) * per_slot
+    rows = b * g // (mesh.shape["tp"] if "tp" in decode_rows(mesh, b * mesh.shape["fsdp"] * g,
+                                                             g, over_rows) else 1)
+    return spec_cfg.num_layers * (b * prompt_len + rows * new_tokens) * per_slot
   return spec_cfg.num_layers * b * g * ((prompt_len + new_tokens) * per_slot + 4)
 
 

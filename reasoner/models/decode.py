@@ -15,6 +15,12 @@ slab at their slot, behind an optimization barrier so that the update happens on
 Only the filled part of `Cache.new` is read: the step picks (`lax.switch`) the shortest of a
 few static spans (quarters of N) that covers its slot, so on average 5/8 of N slots instead of N.
 
+Over rows. Where 'tp' cannot split the KV heads (`mesh.attention_over_rows`), attention runs
+on each chip's own rows (`_over_rows`, a shard_map with no collective inside): its cache's
+rows are split over every chip, not copied on each chip of a tp group, and each chip finds its
+rows' prompts in the prompts its 'fsdp' block holds. The projections run on those rows with
+the attention's whole weights; the output comes back to rows over 'fsdp' (one all-gather).
+
 The forward is Tunix's `Attention.block` / `DecoderLayer` for one token (norms, rotary
 embedding, masked logits, float32 softmax, output projection, MLP) on the layer's own modules,
 so qwix's LoRA sees every projection; sliding-window layers mask keys more than their window
@@ -24,11 +30,12 @@ decode (`reasoner.sampler.generate`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
 
@@ -65,33 +72,22 @@ def spans(n: int, parts: int = 4) -> tuple[int, ...]:
   return tuple(sorted({-(-n * (i + 1) // parts) for i in range(parts)}))
 
 
-def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask):
-  """Tunix's `Attention.block` for one token per row: x [B, 1, D]; the row's new key and value
-  go to slot `step` of `new`; it sees its prompt's unmasked slots and new slots <= step."""
+def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
+  """q [R, 1, N, H], k, v [R, 1, K, H] of R rows in groups of the prompts of `prompt`
+  ([P, b, K, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step`, and
+  the attention's output [R, 1, N, H]: each row sees its prompt's unmasked slots and its new
+  slots <= step (within `window` of the newest slot in sliding-window layers)."""
   from tunix.models.gemma3 import model as gemma3_lib
 
-  if attn.use_qkv_einsum:
-    q, k, v = attn.qkv_einsum(x)
-  else:
-    q = attn.q_einsum(x)
-    k, v = attn.kv_einsum(x)
-  q, k = attn._query_norm(q), attn._key_norm(k)
-  rope = lambda a: gemma3_lib.apply_rope(a, positions, head_dim=attn.head_dim,
-                                         base_frequency=attn.rope_base_frequency,
-                                         scale_factor=attn.rope_scale_factor)
-  q, k = rope(q) * attn.query_pre_attn_scalar, rope(k)
   keys, values = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 0, 1), (step, 0, 0, 0))
                   for c, a in zip(new, (k, v)))
   keys, values = jax.lax.optimization_barrier((keys, values))  # one in-place update
-
   pk, pv = prompt
   p, b = pk.shape[:2]
   rows, _, n, h = q.shape
   kh = pk.shape[2]
   g = rows // b
   q = q.reshape(b, g, kh, n // kh, h)
-  window = (attn.sliding_window_size
-            if attn.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING else None)
   seen = prompt_mask  # [b, P]; the newest slot is p + step
   if window is not None:
     seen = seen & (jnp.arange(p) > p + step - window)[None]
@@ -112,21 +108,76 @@ def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask):
   lengths = spans(keys.shape[0])
   pick = jnp.searchsorted(jnp.asarray(lengths), step, side="right")  # shortest span > step
   encoded = jax.lax.switch(pick, [attend(s) for s in lengths], keys, values)
-  return (keys, values), attn.attn_vec_einsum(encoded.reshape(rows, 1, n, h))
+  return (keys, values), encoded.reshape(rows, 1, n, h)
+
+
+def _over_rows(core, mesh: Mesh, g: int):
+  """`core` on each chip's own rows (`mesh.decode_rows` = ('fsdp', 'tp')), no collective: a
+  chip finds its rows' prompts in its 'fsdp' block's (every chip of the block holds them) at
+  the slice its place in 'tp' gives."""
+  rows, block = P(("fsdp", "tp")), P("fsdp")
+
+  def local(q, k, v, prompt, new, step, prompt_mask):
+    c = q.shape[0]  # this chip's rows: whole groups (c % g == 0) or one group's part
+    first, count = jax.lax.axis_index("tp") * c // g, max(1, c // g)
+    take = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, first, count, axis)
+    return core(q, k, v, tuple(take(a, 1) for a in prompt), new, step, take(prompt_mask, 0))
+
+  slots = lambda spec: P(None, *spec)
+  return jax.shard_map(local, mesh=mesh, check_vma=False,
+                       in_specs=(rows, rows, rows, (slots(block),) * 2, (slots(rows),) * 2, P(),
+                                 block),
+                       out_specs=((slots(rows),) * 2, rows))
+
+
+def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask, mesh: Mesh | None):
+  """Tunix's `Attention.block` for one token per row: x [B, 1, D]; the row's new key and value
+  go to slot `step` of `new`. With `mesh`, over each chip's own rows (`_over_rows`): the
+  projections too, on the attention's whole weights; the output comes back to rows over
+  'fsdp' (one all-gather over 'tp')."""
+  from tunix.models.gemma3 import model as gemma3_lib
+
+  pin = lambda a, spec: a if mesh is None else jax.lax.with_sharding_constraint(
+      a, NamedSharding(mesh, spec))
+  x = pin(x, P(("fsdp", "tp")))
+  if attn.use_qkv_einsum:
+    q, k, v = attn.qkv_einsum(x)
+  else:
+    q = attn.q_einsum(x)
+    k, v = attn.kv_einsum(x)
+  q, k = attn._query_norm(q), attn._key_norm(k)
+  rope = lambda a: gemma3_lib.apply_rope(a, positions, head_dim=attn.head_dim,
+                                         base_frequency=attn.rope_base_frequency,
+                                         scale_factor=attn.rope_scale_factor)
+  q, k = rope(q) * attn.query_pre_attn_scalar, rope(k)
+  window = (attn.sliding_window_size
+            if attn.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING else None)
+  core = functools.partial(_core, window=window)
+  if mesh is not None:
+    core = _over_rows(core, mesh, q.shape[0] // prompt[0].shape[1])
+  new, encoded = core(q, k, v, prompt, new, step, prompt_mask)
+  return new, pin(attn.attn_vec_einsum(encoded), P("fsdp"))
 
 
 def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
-                  step: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, Cache]:
+                  step: jax.Array, prompt_mask: jax.Array,
+                  mesh: Mesh | None = None) -> tuple[jax.Array, Cache]:
   """tokens, positions [B, 1] (each row's `step`-th new token); prompt_mask [prompts, P] the
   prompt slots that hold real tokens -> [B, 1, D] after the final norm, and the cache with
   the step's keys and values written. Called through the model's `hidden_states(...,
-  step=)`, the method qwix intercepts for LoRA."""
-  x = model.embedder.encode(tokens)
+  step=)`, the method qwix intercepts for LoRA. `mesh`: attention over each chip's own rows
+  (the cache's new part split as `mesh.decode_rows` says, ('fsdp', 'tp'))."""
+  # over rows: the residual stream pinned to rows over 'fsdp', whole on each chip of a tp group
+  # (the MLP's input); left to XLA it took the attention's rows over 'tp' and every layer
+  # gathered the MLP's input and its LoRA's products again
+  pin = (lambda a: a) if mesh is None else (
+      lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("fsdp"))))
+  x = pin(model.embedder.encode(tokens))
   new = {}
   for i, layer in enumerate(model.layers):
     name = f"layer_{i}"
     new[name], out = _attention(layer.attn, layer.pre_attention_norm(x), positions,
-                                cache.prompt[name], cache.new[name], step, prompt_mask)
-    x = layer.post_attention_norm(out) + x
-    x = layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x
+                                cache.prompt[name], cache.new[name], step, prompt_mask, mesh)
+    x = pin(layer.post_attention_norm(out) + x)
+    x = pin(layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x)
   return model.final_norm(x), Cache(cache.prompt, new)

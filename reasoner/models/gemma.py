@@ -56,7 +56,7 @@ class _HiddenStates:
     unpinned, XLA split the activations along the model dimension like the weights and formed
     every row's [T, 6912] MLP partial sums on every chip (Gemma3-1B, v5e:2x4)."""
     if step is not None:  # here, not beside: qwix's LoRA intercepts this method only
-      return decode.hidden_states(self, tokens, positions, cache, step, attention_mask)
+      return decode.hidden_states(self, tokens, positions, cache, step, attention_mask, mesh)
     pin = ((lambda x: x) if mesh is None else
            lambda x: jax.lax.with_sharding_constraint(x, mesh_lib.activation_placement(mesh,
                                                                                       x.shape)))

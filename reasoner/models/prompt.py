@@ -40,10 +40,11 @@ def prompt_layout(mesh: Mesh, prompts: int, g: int) -> tuple[int, int]:
 
 
 def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
-             shared: bool) -> tuple[jax.Array, dict | None, dict]:
+            shared: bool, rows: tuple[str, ...] = ("fsdp",)
+            ) -> tuple[jax.Array, dict | None, dict]:
   """Each prompt once through the model -> its last hidden state [B, D] and the decode cache:
   shared (`models.decode`), the prompts' keys and values and an empty cache for the B * G rows'
-  N new tokens; otherwise (Gemma 2, Tunix's decode) the prompt's cache repeated to its G rows,
+  N new tokens, those rows over `rows` (`mesh.decode_rows`); otherwise (Gemma 2, Tunix's decode) the prompt's cache repeated to its G rows,
   with room for N more."""
   tcfg, dtype = model.config, model.embedding().dtype
   b, p = prompt.shape
@@ -54,9 +55,9 @@ def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int
   if not shared:
     rep = lambda x: jnp.repeat(x, g, axis=0)
     return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
-  sharding = mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh)
-  return (hidden[:, -1], decode.from_prefill(cache, sharding),
-          decode.empty(tcfg, b * g, n, dtype, sharding))
+  slots = lambda axes: mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh, axes)
+  return (hidden[:, -1], decode.from_prefill(cache, slots(("fsdp",))),
+          decode.empty(tcfg, b * g, n, dtype, slots(rows)))
 
 
 def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
