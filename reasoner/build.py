@@ -55,6 +55,9 @@ def check(cfg: Config, devices: list | None = None) -> tuple[jax.sharding.Mesh, 
     kaggle.resolve(cfg.model)
   train, held_out = sources.load_splits(cfg.data)
   sets = {s.name: sources.load_eval_set(s, cfg.data) for s in cfg.eval.sets}
+  for where, records in (("the training data", train), ("the held-out data", held_out),
+                         *((f"evaluation set '{k}'", v) for k, v in sets.items())):
+    rewards.check(records, where)
   return mesh, rewards, train, held_out, sets
 
 

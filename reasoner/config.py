@@ -133,7 +133,8 @@ class DataConfig:
   path: str | None = None  # file for jsonl / parquet
   eval_path: str | None = None  # held-out file; default: the last num_eval records of `path`
   question_field: str = "question"
-  answer_field: str = "answer"
+  answer_field: str = "answer"  # optional in a record: the reference answer
+  category_field: str = "category"  # optional in a record: routes rewards (rewards[].categories)
   num_train: int = 2000  # arithmetic: problems generated for training
   num_eval: int = 64  # held-out problems
   seed: int = 0
@@ -152,14 +153,20 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
-  """One reward function: a built-in name or 'module:function', and its weight."""
+  """One reward function: a built-in name or 'module:function', its weight, and the records'
+  categories it scores (null: every record; a row's reward is the weighted mean of those that
+  score it)."""
 
   fn: str
   weight: float = 1.0
+  categories: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if self.weight < 0:
       _fail("rewards[].weight", self.weight, "a non-negative number")
+    if self.categories is not None and (not self.categories or not all(self.categories)):
+      _fail("rewards[].categories", list(self.categories),
+            "a non-empty list of category names, or null for every record")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -364,6 +371,7 @@ class EvalSet:
   path: str | None = None  # file for jsonl / parquet
   question_field: str = "question"
   answer_field: str = "answer"
+  category_field: str = "category"
   num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
 

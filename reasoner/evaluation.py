@@ -59,13 +59,14 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
     prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
     comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
     answers = [r["answer"] for r in chunk]
-    total, _ = setup.rewards(prompts, comps.texts, answer=answers)
+    total, _ = setup.rewards(prompts, comps.texts, answer=answers,
+                             category=[r.get("category") for r in chunk])
     totals += total.tolist()
-    correct += rewards_lib.correct(prompts, comps.texts, answer=answers)
+    correct += rewards_lib.accuracy(comps.texts, answers).tolist()
     fmt += rewards_lib.format_exact(prompts, comps.texts)
     rows += [{"question": r["question"], "answer": r["answer"], "completion": t,
               "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
-  result = {"mean_reward": float(np.mean(totals)), "accuracy": float(np.mean(correct)),
+  result = {"mean_reward": float(np.mean(totals)), "accuracy": rewards_lib.nan_mean(correct),
             "format_rate": float(np.mean(fmt)), "n": len(records)}
   if cfg.eval.samples:
     result.update(sampled(setup, sampler, lora, records))
@@ -74,8 +75,12 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
 
 def sampled(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> dict:
   """pass@k (each k of `eval.pass_k`) and majority-vote accuracy over `eval.samples`
-  completions a question, sampled as rollouts are (temperature, top-k, top-p)."""
+  completions a question, sampled as rollouts are (temperature, top-k, top-p), on the questions
+  with a reference answer (NaN when none has one)."""
   cfg, n = setup.cfg, setup.cfg.eval.samples
+  records = [r for r in records if r["answer"] is not None]
+  if not records:
+    return {**{f"pass@{k}": float("nan") for k in cfg.eval.pass_k}, "majority": float("nan")}
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   scfg = dataclasses.replace(scfg, max_new_tokens=cfg.eval.max_new_tokens)
   per = max(1, cfg.eval.batch_size // n)

@@ -247,11 +247,12 @@ def decode_estimate(setup, tp: int, chip: Chip) -> dict[str, float]:
                       cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
                       setup.spec.family == "gemma3", over_rows)
   rows = -(-prompts * g // (setup.mesh.size // tp))  # a chip's rows
-  hidden = Collective("all-reduce", tp, rows * t.embed_dim * 4)
+  hidden = lambda kind: collective_seconds(Collective(kind, tp, rows * t.embed_dim * 4), chip)
   topk = Collective("all-gather", tp, rows * tp * (cfg.rollout.top_k or 1) * 8)
   weights = copy_bytes(setup, setup.base, tp) + copy_bytes(setup, setup.lora, tp)
+  attention = hidden("all-gather" if over_rows else "all-reduce")  # its output, a layer
   return {"HBM": (weights + kv) / chip.bandwidth,
-          "interconnect": 2 * t.num_layers * collective_seconds(hidden, chip)
+          "interconnect": t.num_layers * (attention + hidden("all-reduce"))
           + collective_seconds(topk, chip)}
 
 

@@ -1,12 +1,22 @@
 """Reward functions: plain `(prompts, completions, **batch) -> list[float]`, each in [0, 1].
 
-Built-ins: `format_exact`, `format_partial`, `correct`. Any other function is referenced as
-'module:function'. The total reward is the weighted mean (weights normalised to sum to 1), so
-it stays on a 0-1 scale whatever the weights.
+Built-ins: `format_exact`, `format_partial`, `correct` (the answer checked: numbers, LaTeX);
+for answers no parser can check, `relevance` (ROUGE-L against the reference, Google's
+rouge-score) and `repetition` (repeated word 4-grams). Any other function is referenced as
+'module:function'. `batch` holds per-completion fields: `answer` (the reference, or None) and
+`category`.
+
+Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
+row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
+whatever the weights, and a math row can be scored by `correct` while an essay is scored by
+`relevance`. The functions of a batch run concurrently in threads (slow ones, e.g. a remote
+judge, overlap).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import importlib
 import math
 import re
@@ -15,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from reasoner.config import RewardSpec
-from reasoner.errors import ConfigError, RewardError
+from reasoner.errors import ConfigError, DataError, RewardError
 
 RewardFn = Callable[..., list[float]]
 
@@ -74,6 +84,54 @@ def correct(prompts, completions, answer: Sequence[str], **_) -> list[float]:
   return out
 
 
+correct.needs_answer = True  # checked against the records before any model loads
+
+
+def accuracy(completions: Sequence[str], answers: Sequence[str | None]) -> np.ndarray:
+  """`correct` on rows with a reference answer, NaN on rows without one (not counted)."""
+  out = np.full(len(completions), np.nan, np.float32)
+  rows = [j for j, a in enumerate(answers) if a is not None]
+  if rows:
+    out[rows] = correct([], [completions[j] for j in rows], answer=[answers[j] for j in rows])
+  return out
+
+
+def nan_mean(values: np.ndarray) -> float:
+  """The mean of the values that are not NaN (NaN when none is)."""
+  values = np.asarray(values, np.float64)
+  kept = values[~np.isnan(values)]
+  return float(kept.mean()) if kept.size else float("nan")
+
+
+@functools.cache
+def _rouge():
+  from rouge_score import rouge_scorer
+
+  return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def relevance(prompts, completions, answer: Sequence[str], **_) -> list[float]:
+  """ROUGE-L F1 (stemmed; Google's rouge-score) of the completion's answer (the text inside
+  <answer></answer>, else the whole completion) against the reference: a cheap lexical score
+  for answers no parser can check (summaries, explanations, short essays)."""
+  return [_rouge().score(str(ref), extract_answer(c) or c)["rougeL"].fmeasure
+          for c, ref in zip(completions, answer)]
+
+
+relevance.needs_answer = True
+
+
+def repetition(prompts, completions, **_) -> list[float]:
+  """The share of a completion's word 4-grams that are not repeats of an earlier one: 1 without
+  repetition, towards 0 for a completion caught in a loop (1 for fewer than 4 words)."""
+  out = []
+  for c in completions:
+    words = c.split()
+    grams = [tuple(words[i:i + 4]) for i in range(len(words) - 3)]
+    out.append(len(set(grams)) / len(grams) if grams else 1.0)
+  return out
+
+
 def overlong(lengths: np.ndarray, max_new_tokens: int, buffer: int,
              penalty: float) -> np.ndarray:
   """DAPO's soft overlong punishment, counted in tokens: 0 up to max_new_tokens - buffer, then
@@ -83,7 +141,8 @@ def overlong(lengths: np.ndarray, max_new_tokens: int, buffer: int,
 
 
 BUILTIN: dict[str, RewardFn] = {"format_exact": format_exact, "format_partial": format_partial,
-                                "correct": correct}
+                                "correct": correct, "relevance": relevance,
+                                "repetition": repetition}
 
 
 def resolve(name: str) -> RewardFn:
@@ -107,27 +166,75 @@ def resolve(name: str) -> RewardFn:
 
 
 class Rewards:
-  """The configured reward functions with normalised weights."""
+  """The configured reward functions: their weights, the categories each scores, and the
+  scoring of a batch (`__call__`)."""
 
-  def __init__(self, specs: Sequence[RewardSpec]):
+  def __init__(self, specs: Sequence[RewardSpec], workers: int = 8):
+    self.specs = list(specs)
     total = sum(s.weight for s in specs)
-    self.names = [s.fn for s in specs]
+    # a name per reward: the function's, with its categories where it appears more than once
+    count = lambda fn: sum(s.fn == fn for s in specs)
+    self.names = [s.fn if count(s.fn) == 1 else f"{s.fn}[{'+'.join(s.categories or ['all'])}]"
+                  for s in specs]
+    if len(set(self.names)) < len(self.names):
+      raise ConfigError(f"config key 'rewards' = {[s.fn for s in specs]}: a function appears "
+                        "twice for the same categories")
     self.fns = [resolve(s.fn) for s in specs]
     self.weights = np.asarray([s.weight / total for s in specs], np.float32)
+    self.workers = workers
+
+  def _scores(self, k: int, category: str | None) -> bool:
+    cats = self.specs[k].categories
+    return cats is None or category in cats
+
+  def check(self, records: Sequence[dict], where: str) -> None:
+    """One line, before any model loads, for a record that no reward scores (a category no
+    reward names) or that a reward needing a reference answer scores without one."""
+    for i, r in enumerate(records):
+      cat = r.get("category")
+      scoring = [k for k in range(len(self.fns)) if self._scores(k, cat)]
+      if not scoring:
+        raise ConfigError(f"config key 'rewards': no reward scores category {cat!r} ({where}, "
+                          f"record {i}); name it in a reward's categories, or give one "
+                          "categories: null")
+      for k in scoring:
+        if getattr(self.fns[k], "needs_answer", False) and r.get("answer") is None:
+          raise DataError(f"{where}, record {i} (category {cat!r}) has no reference answer "
+                          f"(data.answer_field), which reward '{self.names[k]}' needs")
+
+  def _score(self, k: int, rows: list[int], prompts, completions, batch) -> np.ndarray:
+    """Reward k on `rows` -> [n] values, NaN on the rows it does not score."""
+    out = np.full(len(completions), np.nan, np.float32)
+    if not rows:
+      return out
+    pick = lambda xs: [xs[j] for j in rows]
+    name = self.names[k]
+    try:
+      values = self.fns[k](pick(prompts), pick(completions),
+                           **{key: pick(v) for key, v in batch.items()})
+    except Exception as e:
+      raise RewardError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
+    values = np.asarray(values, np.float32)
+    if values.shape != (len(rows),) or not np.all(np.isfinite(values)):
+      raise RewardError(f"reward function '{name}' returned {values.shape} values "
+                        f"(expected {len(rows)} finite numbers)")
+    out[rows] = values
+    return out
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **batch
                ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(total [n], {name: [n]}) for n completions; batch fields are per completion."""
-    per_fn = {}
-    for name, fn in zip(self.names, self.fns):
-      try:
-        values = fn(list(prompts), list(completions), **batch)
-      except Exception as e:
-        raise RewardError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
-      values = np.asarray(values, np.float32)
-      if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
-        raise RewardError(f"reward function '{name}' returned {values.shape} values "
-                          f"(expected {len(completions)} finite numbers)")
-      per_fn[name] = values
-    total = sum(w * per_fn[n] for n, w in zip(self.names, self.weights))
-    return np.asarray(total, np.float32), per_fn
+    """(total [n], {name: [n], NaN where it does not score}) for n completions; batch fields
+    (answer, category, ...) are per completion."""
+    n, prompts, completions = len(completions), list(prompts), list(completions)
+    cats = list(batch.get("category") or [None] * n)
+    rows = [[j for j in range(n) if self._scores(k, cats[j])] for k in range(len(self.fns))]
+    with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(self.fns))) as pool:
+      values = list(pool.map(lambda k: self._score(k, rows[k], prompts, completions, batch),
+                             range(len(self.fns))))
+    scored = np.stack([~np.isnan(v) for v in values])
+    if n and not scored.any(0).all():
+      j = int(np.argmin(scored.any(0)))
+      raise RewardError(f"no reward scores row {j} (category {cats[j]!r})")
+    weights = np.where(scored, self.weights[:, None], 0.0)
+    total = (weights * np.nan_to_num(np.stack(values))).sum(0) / np.maximum(weights.sum(0), 1e-9)
+    return np.asarray(total, np.float32), dict(zip(self.names, values))

@@ -31,11 +31,12 @@ class _Groups(NamedTuple):
   prompt: np.ndarray  # [B, P] left-padded
   prompt_valid: np.ndarray
   total: np.ndarray  # [B * G] reward (overlong penalty included)
-  per_fn: dict  # reward function name -> [B * G]
-  correct: np.ndarray  # [B * G] 0/1
+  per_fn: dict  # reward function name -> [B * G], NaN on rows it does not score
+  correct: np.ndarray  # [B * G] 0/1, NaN without a reference answer
   formatted: np.ndarray  # [B * G] 0/1
   informative: np.ndarray  # [B] bool: rewards differ (else zero advantage everywhere)
-  seconds: float
+  seconds: float  # sampling
+  reward_seconds: float  # scoring
 
 
 def _sample_round(setup: Setup, sampler: Sampler, lora, records, key) -> _Groups:
@@ -47,16 +48,19 @@ def _sample_round(setup: Setup, sampler: Sampler, lora, records, key) -> _Groups
   seconds = time.perf_counter() - t0
   rep = lambda xs: [x for x in xs for _ in range(g)]
   prompts, answers = rep(prompts), rep([r["answer"] for r in records])
-  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers)
+  categories = rep([r.get("category") for r in records])
+  t0 = time.perf_counter()
+  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers, category=categories)
+  reward_s = time.perf_counter() - t0
   o = cfg.grpo
   if o.overlong_buffer:
     per_fn["overlong"] = rewards_lib.overlong(comps.mask.sum(1), cfg.rollout.max_new_tokens,
                                               o.overlong_buffer, o.overlong_penalty)
     total = total + per_fn["overlong"]
-  score = lambda fn: np.asarray(fn(prompts, comps.texts, answer=answers), np.float32)
   return _Groups(list(records), comps, p_tok, p_mask, total, per_fn,
-                 score(rewards_lib.correct), score(rewards_lib.format_exact),
-                 np.ptp(total.reshape(-1, g), axis=1) > 0, seconds)
+                 rewards_lib.accuracy(comps.texts, answers),
+                 np.asarray(rewards_lib.format_exact(prompts, comps.texts), np.float32),
+                 np.ptp(total.reshape(-1, g), axis=1) > 0, seconds, reward_s)
 
 
 def rollout(setup: Setup, sampler: Sampler, trainer: Trainer, lora, records: list[dict],
@@ -130,10 +134,12 @@ def _rollout_metrics(rounds: list[_Groups], kept: int) -> dict:
   stopped = cat(lambda r: r.comps.stopped)
   zero_std = cat(lambda r: ~r.informative)
   seconds = sum(r.seconds for r in rounds)
+  scored = {k: v[~np.isnan(v)] for k, v in per_fn.items()}  # each reward over the rows it scores
+  correct = cat(lambda r: r.correct)
   return {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
-          **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
-          **{f"reward_std/{k}": float(v.std()) for k, v in per_fn.items()},
-          "accuracy": float(cat(lambda r: r.correct).mean()),
+          **{f"reward/{k}": float(v.mean()) for k, v in scored.items() if v.size},
+          **{f"reward_std/{k}": float(v.std()) for k, v in scored.items() if v.size},
+          "accuracy": rewards_lib.nan_mean(correct),  # over the rows with a reference answer
           "format_rate": float(cat(lambda r: r.formatted).mean()),
           "completion_length": float(lengths.mean()),
           "completion_length/min": float(lengths.min()),
@@ -143,7 +149,8 @@ def _rollout_metrics(rounds: list[_Groups], kept: int) -> dict:
           "frac_reward_zero_std": float(zero_std.mean()),
           "groups_drawn": len(zero_std), "groups_trained": kept,
           "refill_rounds": len(rounds) - 1, "rollout_tokens": int(lengths.sum()),
-          "rollout_tokens_per_s": float(lengths.sum() / seconds), "rollout_s": seconds}
+          "rollout_tokens_per_s": float(lengths.sum() / seconds), "rollout_s": seconds,
+          "reward_s": sum(r.reward_seconds for r in rounds)}
 
 
 def checkpoint_tree(state) -> dict:

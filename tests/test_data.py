@@ -30,7 +30,8 @@ def test_local_files_with_configured_fields(tmp_path):
   for src, path in (("jsonl", jl), ("parquet", tmp_path / "d.parquet")):
     cfg = DataConfig(source=src, path=str(path), question_field="q", answer_field="a", num_eval=3)
     train, held = sources.load_splits(cfg)
-    assert len(train) == 7 and held[-1] == {"question": "what is 9+9?", "answer": "18"}
+    assert len(train) == 7 and held[-1] == {"question": "what is 9+9?", "answer": "18",
+                                            "category": None}
   with pytest.raises(sources.DataError, match="has no field 'question'"):
     sources.load_splits(DataConfig(source="jsonl", path=str(jl)))
 
@@ -94,3 +95,16 @@ def test_overlong_prompts_are_found_at_load_dropped_or_named():
   with pytest.raises(ConfigError, match="config key 'data.overlong' = 'skip': expected one of "
                      "'drop', 'error'"):
     load_config(ROOT / "configs/tiny.yaml", ["data.overlong=skip"])
+
+
+def test_the_mixed_example_and_optional_fields():
+  """data/mixed.jsonl (the schema's example): five categories, references where a parser or a
+  lexical score can use them; a record without an answer or a category loads with None."""
+  train, held = sources.load_splits(DataConfig(source="jsonl", path=str(ROOT / "data" /
+                                                                         "mixed.jsonl"),
+                                               num_eval=2))
+  records = train + held
+  assert {r["category"] for r in records} == {"math", "science", "summarisation", "creative",
+                                              "code"}
+  assert all((r["answer"] is None) == (r["category"] == "creative") for r in records)
+  assert all(r["category"] == "math" for r in sources.load_splits(DataConfig())[1])

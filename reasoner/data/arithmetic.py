@@ -33,7 +33,7 @@ def _problem(rng: random.Random, difficulty: str) -> dict:
   pronoun = "They" if name in ("Raj", "Kim") else ("He" if name in ("Sam", "Tom", "Leo", "Ben",
                                                                       "Max") else "She")
   question = template.format(n=name, a=a, b=b, x=item, p=pronoun)
-  return {"question": question, "answer": str(answer)}
+  return {"question": question, "answer": str(answer), "category": "math"}
 
 
 def generate(num_train: int, num_eval: int, seed: int, difficulty: str = "easy"

@@ -1,4 +1,9 @@
-"""Records {'question', 'answer'} from the configured source, and the grain training pipeline."""
+"""Records from the configured source, and the grain training pipeline.
+
+A record is {'question': str, 'answer': str | None, 'category': str | None}: the reference
+answer and the category are optional in a file (rewards that need an answer, and routing by
+category, are checked against the records in `rewards.Rewards.check`, before any model loads).
+"""
 
 from __future__ import annotations
 
@@ -39,13 +44,13 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
       raise DataError(f"{path}: not a readable Parquet file ({e})") from None
   out = []
   for i, row in enumerate(rows):
-    for field, name in ((cfg.question_field, f"{section}.question_field"),
-                        (cfg.answer_field, f"{section}.answer_field")):
-      if field not in row:
-        raise DataError(f"{path}: record {i} has no field '{field}' ({name}); it has "
-                        f"{', '.join(sorted(row))}")
+    if cfg.question_field not in row:
+      raise DataError(f"{path}: record {i} has no field '{cfg.question_field}' "
+                      f"({section}.question_field); it has {', '.join(sorted(row))}")
+    answer, category = row.get(cfg.answer_field), row.get(cfg.category_field)
     out.append({"question": str(row[cfg.question_field]),
-                "answer": _final_answer(str(row[cfg.answer_field]))})
+                "answer": None if answer is None else _final_answer(str(answer)),
+                "category": None if category is None else str(category)})
   if not out:
     raise DataError(f"{path}: no records")
   return out
@@ -72,7 +77,8 @@ def _gsm8k() -> tuple[list[dict], list[dict]]:
   import datasets
 
   d = datasets.load_dataset("openai/gsm8k", "main")
-  conv = lambda split: [{"question": r["question"], "answer": _final_answer(r["answer"])}
+  conv = lambda split: [{"question": r["question"], "answer": _final_answer(r["answer"]),
+                         "category": "math"}
                         for r in d[split]]
   return conv("train"), conv("test")
 

@@ -168,8 +168,8 @@ def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
   step=)`, the method qwix intercepts for LoRA. `mesh`: attention over each chip's own rows
   (the cache's new part split as `mesh.decode_rows` says, ('fsdp', 'tp'))."""
   # over rows: the residual stream pinned to rows over 'fsdp', whole on each chip of a tp group
-  # (the MLP's input); left to XLA it took the attention's rows over 'tp' and every layer
-  # gathered the MLP's input and its LoRA's products again
+  # (the MLP's and the head's input); left to XLA it took the attention's rows over 'tp', and
+  # every layer gathered the MLP's input and its LoRA's products again
   pin = (lambda a: a) if mesh is None else (
       lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("fsdp"))))
   x = pin(model.embedder.encode(tokens))
@@ -180,4 +180,4 @@ def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
                                 cache.prompt[name], cache.new[name], step, prompt_mask, mesh)
     x = pin(layer.post_attention_norm(out) + x)
     x = pin(layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x)
-  return model.final_norm(x), Cache(cache.prompt, new)
+  return pin(model.final_norm(x)), Cache(cache.prompt, new)
