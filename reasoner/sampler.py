@@ -224,13 +224,16 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   def cond(s: _Loop) -> jax.Array:
     return (s.step < n) & ~jnp.all(s.done)
 
+  hidden = rep(hidden)
+  if attention_mesh is not None:  # rows over 'fsdp', as each step leaves it; elsewhere XLA's
+    # choice (pinned so on the training layout, it gathered the 576 MiB embedding each token)
+    hidden = jax.lax.with_sharding_constraint(hidden, mesh_lib.batch_placement(mesh,
+                                                                               hidden.shape))
   init = _Loop(
       step=jnp.int32(0), tokens=jnp.full((rows, n), cfg.pad_id, jnp.int32),
       logps=jnp.zeros((rows, n), jnp.float32), valid=jnp.zeros((rows, n), bool),
       done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
-      hidden=jax.lax.with_sharding_constraint(  # rows over 'fsdp', as each step leaves them
-          rep(hidden), mesh_lib.batch_placement(mesh, (rows, hidden.shape[-1]))),
-      cache=cache, key=key)
+      hidden=hidden, cache=cache, key=key)
   out = jax.lax.while_loop(cond, body, init)
   return out.tokens, out.valid, out.logps, out.done
 
