@@ -9,8 +9,9 @@ rouge-score) and `repetition` (repeated word 4-grams). Any other function is ref
 Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
 row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
 whatever the weights, and a math row can be scored by `correct` while an essay is scored by
-`relevance`. The functions of a batch run concurrently in threads (slow ones, e.g. a remote
-judge, overlap).
+`relevance`. User functions of a batch run concurrently in threads (slow ones, e.g. a remote
+judge, overlap), the built-ins in the calling thread (math-verify's timeouts need the main
+thread's signals).
 """
 
 from __future__ import annotations
@@ -228,9 +229,14 @@ class Rewards:
     n, prompts, completions = len(completions), list(prompts), list(completions)
     cats = list(batch.get("category") or [None] * n)
     rows = [[j for j in range(n) if self._scores(k, cats[j])] for k in range(len(self.fns))]
-    with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(self.fns))) as pool:
-      values = list(pool.map(lambda k: self._score(k, rows[k], prompts, completions, batch),
-                             range(len(self.fns))))
+    score = lambda k: self._score(k, rows[k], prompts, completions, batch)
+    # user functions (a judge, a remote call) in threads; the built-ins, quick, in this one:
+    # math-verify's timeouts use signals, which only the main thread can set (in a worker
+    # thread every answer it parses came out wrong)
+    pooled = [k for k, s in enumerate(self.specs) if s.fn not in BUILTIN]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(pooled)))) as pool:
+      futures = {k: pool.submit(score, k) for k in pooled}
+      values = [futures[k].result() if k in futures else score(k) for k in range(len(self.fns))]
     scored = np.stack([~np.isnan(v) for v in values])
     if n and not scored.any(0).all():
       j = int(np.argmin(scored.any(0)))

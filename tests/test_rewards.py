@@ -96,6 +96,18 @@ def test_records_no_reward_scores_or_without_a_needed_answer_are_one_line():
     RewardSpec(fn="correct", categories=())
 
 
+def test_math_verify_answers_are_scored_by_the_rewards_as_by_correct():
+  """`correct` through `Rewards` (with a user function beside it, run in a thread) scores a
+  LaTeX answer as `correct` does: math-verify's signal timeouts fail outside the main thread."""
+  mod = types.ModuleType("beside_rewards")
+  mod.one = lambda prompts, completions, **_: [1.0] * len(completions)
+  sys.modules["beside_rewards"] = mod
+  comps = ["<reasoning>r</reasoning><answer>\\frac{1}{2}</answer>"]
+  assert rewards.correct([], comps, answer=["0.5"]) == [1.0]
+  r = rewards.Rewards([RewardSpec(fn="correct"), RewardSpec(fn="beside_rewards:one")])
+  assert r(["p"], comps, answer=["0.5"])[1]["correct"].tolist() == [1.0]
+
+
 def test_slow_rewards_run_concurrently():
   """Two rewards that each wait 0.5 s (a remote judge) score a batch in about 0.5 s, not 1 s."""
   import time
