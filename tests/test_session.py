@@ -18,7 +18,7 @@ from conftest import ROOT, tiny_config
 from reasoner import loop, session
 from reasoner.config import ConfigError
 
-TIMING = {"step_time_s", "tokens_per_s", "rollout_s", "rollout_tokens_per_s"}
+TIMING = {"step_time_s", "tokens_per_s", "rollout_s", "rollout_tokens_per_s", "reward_s"}
 
 
 def test_deadline_forms():
