@@ -9,7 +9,7 @@ BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
 
-.PHONY: setup train eval sample test bench notebook rehearse clean
+.PHONY: setup train sft eval sample test bench notebook rehearse clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,14 @@ $(STAMP): pyproject.toml
 
 train: $(STAMP)
 	$(PY) -m reasoner train --config $(CONFIG) $(ARGS)
+
+# Two stages: SFT on worked solutions (configs/embedded_sft.yaml), then GRPO from its LoRA
+# (sampling at temperature 1 with dynamic sampling: after SFT most groups agree).
+sft: $(STAMP)
+	$(PY) -m reasoner sft --config configs/embedded_sft.yaml $(ARGS)
+	$(PY) -m reasoner train --config configs/embedded.yaml lora.init_from=runs/embedded_sft \
+	  data.template=plain train.run_name=embedded_sft_grpo rollout.temperature=1.0 \
+	  grpo.dynamic_sampling=true grpo.max_sample_batches=2
 
 eval: $(STAMP)
 	$(PY) -m reasoner eval --config $(CONFIG) $(ARGS)

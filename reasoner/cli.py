@@ -1,5 +1,5 @@
-"""`python -m reasoner train|eval|sample|plan|export --config FILE [key=value ...]`: parse, build,
-call."""
+"""`python -m reasoner train|sft|eval|sample|plan|export --config FILE [key=value ...]`: parse,
+build, call."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="show tracebacks (also REASONER_DEBUG=1); may stand anywhere")
   sub = p.add_subparsers(dest="command", required=True)
   for name, text in (("train", "run GRPO (resumes from the run's latest checkpoint)"),
+                     ("sft", "supervised fine-tuning on responses (data.response_field), "
+                             "before GRPO (lora.init_from=<this run>)"),
                      ("eval", "greedy accuracy and format rate on the held-out split"),
                      ("sample", "print completions for one question"),
                      ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
@@ -77,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
 
-    if args.command == "train":
+    if args.command in ("train", "sft"):
       again = shlex.join(["python", "-m", "reasoner", *argv])
       from reasoner import loop
 
-      loop.train(cfg, command=again)
+      loop.train(cfg, command=again, stage="sft" if args.command == "sft" else "grpo")
     elif args.command == "export":
       from reasoner import export
 

@@ -111,6 +111,9 @@ class LoraConfig:
   # each matmul; `none` keeps them in model.dtype. Scales per `base_tile_size` inputs.
   base_qtype: Literal["none", "nf4", "int8"] = "none"
   base_tile_size: int = 64
+  # A run directory (e.g. an SFT run's, runs/embedded_sft) whose newest checkpoint's LoRA starts
+  # this run at step 0, with a fresh optimizer; its model and LoRA settings must be this run's.
+  init_from: str | None = None
 
   def __post_init__(self):
     if self.base_tile_size < 1:
@@ -135,11 +138,15 @@ class DataConfig:
   question_field: str = "question"
   answer_field: str = "answer"  # optional in a record: the reference answer
   category_field: str = "category"  # optional in a record: routes rewards (rewards[].categories)
+  # SFT: the target text of a record (or a `messages` list ending in the model's turn)
+  response_field: str = "response"
   num_train: int = 2000  # arithmetic: problems generated for training
   num_eval: int = 64  # held-out problems
   seed: int = 0
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
-  template: Literal["fewshot", "chat"] = "fewshot"  # fewshot for base models, chat for -it models
+  # fewshot (two worked examples) for base models, chat for -it models, plain: the instruction and
+  # the question only (a model SFT taught the format needs no examples)
+  template: Literal["fewshot", "chat", "plain"] = "fewshot"
   max_prompt_tokens: int = 256
   overlong: Literal["drop", "error"] = "drop"  # prompts over max_prompt_tokens, found at load
 
@@ -413,6 +420,61 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+  """`python -m reasoner sft`: the loss on response tokens; train, optim and eval as GRPO's."""
+
+  max_response_tokens: int = 256  # longer responses are dropped or refused, as data.overlong says
+  # Examples are sorted by length within windows of this many batches, and each batch is padded
+  # to its longest prompt and response rounded up to `bucket` tokens (few shapes to compile).
+  window: int = 32
+  bucket: int = 16
+
+  def __post_init__(self):
+    for f in ("max_response_tokens", "window", "bucket"):
+      if getattr(self, f) < 1:
+        _fail(f"sft.{f}", getattr(self, f), "a positive integer")
+
+
+DEFAULT_RUBRIC = (
+    "Grade a response to a question for the quality of its reasoning and of its answer, 1 "
+    "(poor), 2, 3, 4 or 5 (excellent). A reference answer, where given, is correct.\n\n"
+    "Question: {question}\nReference answer: {reference}\nResponse: {response}\n\n"
+    "Grade (1, 2, 3, 4 or 5): ")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeConfig:
+  """The `judge` reward (reasoner/judge.py): a model grades completions against `rubric`."""
+
+  # null (self): the policy's base weights with the LoRA off, on its devices; or a model section
+  # of its own, e.g. {source: kaggle, name: gemma3-12b, kaggle_handle: ...}
+  model: ModelConfig | None = None
+  # null: on the policy's devices; N: the judge on the last N devices, loaded into their shards,
+  # and the policy on the others
+  devices: int | None = None
+  # {question}, {response} and {reference} are filled in; it ends where the grade is due
+  rubric: str = DEFAULT_RUBRIC
+  grades: tuple[str, ...] = ("1", "2", "3", "4", "5")  # worst to best, one token each
+  batch_size: int = 16
+  max_tokens: int = 1024  # of a rubric prompt, its end kept
+
+  def __post_init__(self):
+    if len(self.grades) < 2 or len(set(self.grades)) < len(self.grades):
+      _fail("judge.grades", list(self.grades), "two or more distinct grade tokens")
+    missing = [g for g in self.grades if g not in self.rubric]
+    if "{response}" not in self.rubric or missing:
+      short = self.rubric if len(self.rubric) <= 60 else self.rubric[:60] + "..."
+      _fail("judge.rubric", short, "a text with {response} that names "
+            f"every grade token (missing: {', '.join(missing) or '{response}'})")
+    for f in ("batch_size", "max_tokens"):
+      if getattr(self, f) < 1:
+        _fail(f"judge.{f}", getattr(self, f), "a positive integer")
+    if self.devices is not None and (self.devices < 1 or self.model is None):
+      _fail("judge.devices", self.devices, "null (the policy's devices), or a positive number "
+            "of devices for a judge.model of its own (self is the policy's own weights)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
@@ -427,6 +489,8 @@ class Config:
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
   eval: EvalConfig = EvalConfig()
+  sft: SFTConfig = SFTConfig()
+  judge: JudgeConfig = JudgeConfig()
 
   def __post_init__(self):
     if not self.rewards:

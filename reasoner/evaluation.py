@@ -60,7 +60,8 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
     comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
     answers = [r["answer"] for r in chunk]
     total, _ = setup.rewards(prompts, comps.texts, answer=answers,
-                             category=[r.get("category") for r in chunk])
+                             category=[r.get("category") for r in chunk],
+                             question=[r["question"] for r in chunk])
     totals += total.tolist()
     correct += rewards_lib.accuracy(comps.texts, answers).tolist()
     fmt += rewards_lib.format_exact(prompts, comps.texts)

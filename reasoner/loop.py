@@ -1,6 +1,6 @@
-"""The training run: resume, evaluate before, GRPO steps until done or the session's deadline,
-evaluate after. `python -m reasoner train` calls `train`; the notebook calls the same phases of
-`Run` in cells of their own.
+"""The training run: resume, evaluate before, GRPO (or SFT) steps until done or the session's
+deadline, evaluate after. `python -m reasoner train` and `sft` call `train`; the notebook calls
+the same phases of `Run` in cells of their own.
 
 A run resumes from its own latest checkpoint, else from `train.resume_from` (another session's
 output, read-only: its logs are carried over, so this run's directory reads as one run's). Each
@@ -22,7 +22,7 @@ import threading
 import jax
 from tqdm import tqdm
 
-from reasoner import manifest, session
+from reasoner import manifest, session, sft
 from reasoner.build import build
 from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints, write_error
 from reasoner.config import Config, ConfigError
@@ -43,11 +43,11 @@ class Interrupted(Exception):
     self.code = code
 
 
-def train(cfg: Config, command: str | None = None) -> dict:
-  """Runs (or resumes) GRPO; returns {'before': ..., 'after': ...} held-out results, and
-  'stopped' (the line that says how to continue) when the deadline stopped it early.
-  `command` is what the user ran, repeated in that line."""
-  run = Run(cfg, command)
+def train(cfg: Config, command: str | None = None, stage: str = "grpo") -> dict:
+  """Runs (or resumes) GRPO or SFT (`stage`); returns {'before': ..., 'after': ...} held-out
+  results, and 'stopped' (the line that says how to continue) when the deadline stopped it
+  early. `command` is what the user ran, repeated in that line."""
+  run = Run(cfg, command, stage)
   if cfg.train.eval_before:
     run.evaluate_before()
   try:
@@ -63,8 +63,8 @@ def train(cfg: Config, command: str | None = None) -> dict:
 class Run:
   """One session of a run: built, resumed and its logs opened on construction."""
 
-  def __init__(self, cfg: Config, command: str | None = None):
-    self.cfg, self.command = cfg, command
+  def __init__(self, cfg: Config, command: str | None = None, stage: str = "grpo"):
+    self.cfg, self.command, self.stage = cfg, command, stage
     deadline = session.parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
     self.clock = session.Clock(deadline, cfg.train.checkpoint_minutes)
     if self.clock.left() <= 0:
@@ -74,26 +74,34 @@ class Run:
     _check_writable(self.path)
     if jax.process_index() == 0:
       session.claim(self.path)
-    manifest.check(cfg, self.path)  # before anything loads: a refused start costs nothing
+    # before anything loads: a refused start costs nothing
+    manifest.check(cfg, self.path, stage=stage)
     if cfg.train.resume_from and not _has_checkpoints(self.path):
-      manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, resumed_from=True)
+      manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, stage=stage,
+                     via="train.resume_from")
+    if cfg.lora.init_from:
+      manifest.check(cfg, find_checkpoints(cfg.lora.init_from, "lora.init_from").parent,
+                     via="lora.init_from")
     with self.clock.timed("load"):
-      self.setup = build(cfg)
+      self.setup = build(cfg, sft=stage == "sft")
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
-    self.trainer = Trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
+    kind = sft.SFTTrainer if stage == "sft" else Trainer
+    self.trainer = kind.for_run(self.setup.graphdef, self.setup.base, cfg)
     self.sampler = Sampler.for_run(self.setup)
     self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)
     state = self.trainer.init_state(self.setup.lora, jax.random.PRNGKey(cfg.train.seed))
     # Every process draws the same global batch of questions (a few KB of text); placement
     # (mesh.put_batch) gives each process's devices only their rows.
-    self.data = sources.train_iterator(self.setup.train_records, cfg.train.batch_size,
-                                       cfg.train.seed)
+    self.data = (sources.train_iterator(self.setup.train_records, cfg.train.batch_size,
+                                        cfg.train.seed) if stage == "grpo" else
+                 sft.batches(self.setup, tqdm.write if jax.process_index() == 0 else None))
     self.state, self.start, origin = self._resume(state)
     self.step = self.start
     self.writer.start(self.start, carry_over=origin)
     if jax.process_index() == 0:
-      manifest.record(cfg, self.path, self.start, self.setup.train_records, origin, tqdm.write)
+      manifest.record(cfg, self.path, self.start, self.setup.train_records, origin, tqdm.write,
+                      stage)
     self.results = read_eval(self.path) if jax.process_index() == 0 else {}
     if "seconds" in self.results.get("before", {}):  # timed in an earlier session
       self.clock.measured("eval", self.results["before"]["seconds"])
@@ -157,7 +165,7 @@ class Run:
     self.writer.close()
     self.ckpt.close()
     session.release(self.path)
-    if self.stopped and jax.process_index() == 0:
+    if "stopped" in self.results and jax.process_index() == 0:
       tqdm.write(self.results["stopped"])  # last, where the user looks
     return plot
 
@@ -188,7 +196,7 @@ class Run:
   def _loop(self, state, received: list[int]):
     cfg, clock = self.cfg, self.clock
     bar = tqdm(range(self.start, cfg.train.steps), initial=self.start, total=cfg.train.steps,
-               desc="GRPO", unit="step", disable=jax.process_index() != 0)
+               desc=self.stage.upper(), unit="step", disable=jax.process_index() != 0)
     step, saved = self.start, self.start
     for step in bar:
       sig = largest(received[0] if received else 0)  # every process stops at the same step
@@ -197,13 +205,9 @@ class Run:
       if sig or agreed(clock.stop_before_next_step(eval_after=True)):
         break
       with clock.timed("step"):
-        state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state, self.data,
-                                   step)
-      clock.estimated("eval", metrics["rollout_s"] * _eval_share(cfg))
-      self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
+        state, metrics = self._step(state, step)
       self.writer.log(step + 1, metrics)
-      bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                      fmt=f"{metrics['format_rate']:.2f}", s=f"{metrics['step_time_s']:.0f}")
+      bar.set_postfix(_postfix(metrics))
       done = step + 1 == cfg.train.steps
       if (step + 1) % cfg.train.checkpoint_every == 0 or done or agreed(clock.save_due()):
         self._save(step + 1, state)
@@ -217,6 +221,28 @@ class Run:
     if step != saved:  # stopped for the deadline or a signal after unsaved steps
       self._save(step, state)
     return step, state
+
+  def _init_from(self, state, say):
+    """`state` with the LoRA of lora.init_from's newest readable checkpoint (an SFT run's)."""
+    folder = find_checkpoints(self.cfg.lora.init_from, "lora.init_from")
+    ckpt = Checkpointer(folder, 1, read_only=True)
+    try:
+      found = ckpt.restore_latest(checkpoint_tree(state), say)
+    finally:
+      ckpt.close()
+    if found is None:
+      raise CheckpointError(f"config key 'lora.init_from' = '{self.cfg.lora.init_from}': no "
+                            f"checkpoint in {folder} can be read")
+    say(f"LoRA from {folder / str(found[0])} (lora.init_from); step 0, a fresh optimizer")
+    return state.replace(lora=found[1]["lora"])
+
+  def _step(self, state, step: int):
+    if self.stage == "sft":
+      return sft.sft_step(self.setup, self.trainer, state, self.data, step)
+    state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state, self.data, step)
+    self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))
+    self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
+    return state, metrics
 
   def _save(self, step: int, state) -> None:
     with self.clock.timed("save"):
@@ -241,12 +267,14 @@ class Run:
           f"of its own, and continues from its newest")
     if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
-      manifest.check(cfg, folder.parent, resumed_from=True)
+      manifest.check(cfg, folder.parent, stage=self.stage, via="train.resume_from")
       found = Checkpointer(folder, 1, read_only=True).restore_latest(target, say)
       if found is None:
         raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': no "
                               f"checkpoint in {folder} can be read")
       origin = folder.parent
+    if found is None and cfg.lora.init_from:
+      return self._init_from(state, say), 0, None
     if found is None:
       return state, 0, None
     start, tree, data_state = found
@@ -254,6 +282,14 @@ class Run:
     say(f"resumed from {folder / str(start)} "
         f"(step {start} of {cfg.train.steps})")
     return state.replace(**tree), start, origin
+
+
+def _postfix(m: dict) -> dict:
+  if "reward/mean" not in m:  # SFT
+    return {"loss": f"{m['loss']:.3f}", "pad": f"{m['padding']:.2f}",
+            "s": f"{m['step_time_s']:.0f}"}
+  return {"reward": f"{m['reward/mean']:.2f}", "acc": f"{m['accuracy']:.2f}",
+          "fmt": f"{m['format_rate']:.2f}", "s": f"{m['step_time_s']:.0f}"}
 
 
 def _eval_share(cfg: Config) -> float:

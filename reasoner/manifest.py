@@ -27,7 +27,8 @@ FIXED = ("model.name", "model.layers", "model.tiny_layers", "model.tiny_embed_di
          "model.tiny_hidden_dim", "model.tiny_heads", "model.tiny_head_dim", "model.tiny_vocab",
          "lora.rank", "lora.alpha", "lora.module_path")
 # Where and for how long this session runs: not settings of the run.
-SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name")
+SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name",
+           "lora.init_from")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "google-tunix",
             "reasoner")
 
@@ -64,18 +65,26 @@ def in_effect(m: dict) -> dict[str, Any]:
   return now
 
 
-def check(cfg: Config, run: pathlib.Path, resumed_from: bool = False) -> None:
-  """Raises ConfigError, one line per key, when `cfg` changes what `run`'s checkpoints hold."""
+def check(cfg: Config, run: pathlib.Path, stage: str | None = None, via: str | None = None
+          ) -> None:
+  """Raises ConfigError, one line per key, when `cfg` changes what `run`'s checkpoints hold, or
+  when `run` is another stage's (an SFT run continued as GRPO); `via`: the config key that
+  points at `run` (train.resume_from, lora.init_from) when it is not this run's directory."""
   m = read(run)
   if m is None:
     return
+  was = m.get("stage", "grpo")
+  if stage is not None and was != stage:
+    raise ConfigError(f"run {run} is a{'n' if was == 'sft' else ''} {was.upper()} run, and this "
+                      f"is {stage.upper()}: start it under a new train.run_name"
+                      + (f" with lora.init_from={run}" if stage == "grpo" else ""))
   old, new = in_effect(m), flat(_plain(cfg))
   lines = []
   for key in FIXED:
     if key in old and old[key] != new[key]:
-      if resumed_from:
-        lines.append(f"config key '{key}' = {new[key]!r}: the run in train.resume_from ({run}) "
-                     f"was trained with {old[key]!r}; set it back to continue from its weights")
+      if via:
+        lines.append(f"config key '{key}' = {new[key]!r}: the run in {via} ({run}) was trained "
+                     f"with {old[key]!r}; set it back to continue from its weights")
       else:
         lines.append(f"config key '{key}' = {new[key]!r}: run {run} was trained with "
                      f"{old[key]!r}; set it back to continue it (or to branch off its weights: "
@@ -86,7 +95,8 @@ def check(cfg: Config, run: pathlib.Path, resumed_from: bool = False) -> None:
 
 
 def record(cfg: Config, run: pathlib.Path, step: int, records: list[dict],
-           origin: pathlib.Path | None = None, log: Callable[[str], None] = print) -> dict:
+           origin: pathlib.Path | None = None, log: Callable[[str], None] = print,
+           stage: str = "grpo") -> dict:
   """Writes or updates `run`/run.json at the start of a session that begins at `step` (origin:
   the run it continues through train.resume_from) and returns it. Changed settings are printed
   in one line and appended to its history."""
@@ -94,7 +104,7 @@ def record(cfg: Config, run: pathlib.Path, step: int, records: list[dict],
   m = read(run) if path.is_file() else None
   if m is None and origin is not None:
     m = copy.deepcopy(read(origin))
-  fresh = _fresh(cfg, records)
+  fresh = {**_fresh(cfg, records), "stage": stage}
   if m is None:
     m = fresh
   elif "versions" not in m:  # made of an old run's config.json: this start's summary, its config

@@ -8,6 +8,7 @@ past S are dropped and TensorBoard purges its events past S.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -49,8 +50,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
-    with open(self.path / "metrics.jsonl", "a") as f:
-      f.write(json.dumps(row) + "\n")
+    _append(self.path / "metrics.jsonl", json.dumps(row) + "\n")
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)):
         self._tb.add_scalar(k, v, step)
@@ -59,9 +59,8 @@ class MetricsWriter:
   def samples(self, step: int, tag: str, rows: list[dict]) -> None:
     if not self.enabled:
       return
-    with open(self.path / "samples.jsonl", "a") as f:
-      for r in rows:
-        f.write(json.dumps({"step": step, "tag": tag, **r}) + "\n")
+    _append(self.path / "samples.jsonl",
+            "".join(json.dumps({"step": step, "tag": tag, **r}) + "\n" for r in rows))
 
   def write_json(self, name: str, data: dict, overwrite: bool = True) -> None:
     if self.enabled and (overwrite or not (self.path / name).exists()):
@@ -103,6 +102,21 @@ class MetricsWriter:
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+
+
+def _append(path: pathlib.Path, text: str) -> None:
+  """Appends whole rows or none: a failed write (a full disk) is cut back to the file's old
+  end, so that a resumed run never reads half a row, and raised naming the file."""
+  size = path.stat().st_size if path.exists() else 0
+  try:
+    with open(path, "a") as f:
+      f.write(text)
+  except OSError as e:
+    try:
+      os.truncate(path, size)
+    except OSError:
+      pass
+    raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def truncate_rows(path: pathlib.Path, step: int) -> None:

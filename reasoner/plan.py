@@ -180,14 +180,34 @@ def reference_plan(setup, prompts: int, chip: Chip) -> StepPlan:
                       prompts, prompts * g, chip)
 
 
+def judge_plan(setup, devices: list, chip: Chip) -> tuple[StepPlan, str]:
+  """One batch of the judge reward (`judge.batch_size` prompts of `judge.max_tokens` tokens) on
+  its devices (the policy's, or its own `judge.devices`), and which they are."""
+  from reasoner.judge import Judge
+
+  judge = Judge.abstract(setup, devices)
+  n = judge.cfg.batch_size
+  where = f"{judge.mesh.devices.size} chips" + (
+      ", the policy's" if judge.mesh is setup.mesh else " of its own")
+  return compile_plan(judge._probs, judge.abstract_inputs(), {}, "judge", n, n, chip), where
+
+
+def judge_batches(report: dict[str, Any]) -> int:
+  """Judge batches a GRPO step scores (every completion of the rollout, at most)."""
+  cfg = report["cfg"]
+  rows = cfg.train.batch_size * cfg.rollout.num_generations
+  return -(-rows // cfg.judge.batch_size)
+
+
 def step_seconds(report: dict[str, Any], rollout: str = "rollout") -> float:
   """A GRPO step's estimate: the rollout (`rollout`: which plan of it), the log-prob forwards
-  the objective needs (reference, old policy) and the train step."""
+  the objective needs (reference, old policy), the judge's batches and the train step."""
   cfg, chip = report["cfg"], report["chip"]
   forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
-  ref = report.get("logprobs")
+  ref, judge = report.get("logprobs"), report.get("judge")
   return (report[rollout].seconds(chip) + report["train"].seconds(chip)
-          + (forwards * ref.seconds(chip) if ref is not None else 0.0))
+          + (forwards * ref.seconds(chip) if ref is not None else 0.0)
+          + (judge_batches(report) * judge.seconds(chip) if judge is not None else 0.0))
 
 
 def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> StepPlan:
@@ -325,7 +345,7 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   from reasoner import heads
   from reasoner.build import spec_without_checkpoint
 
-  spec = spec_without_checkpoint(cfg)[1]
+  spec = spec_without_checkpoint(cfg.model)[1]
   t = spec.tunix_config
   d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
   nh, kh = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
@@ -394,10 +414,13 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   micro-batch (prompts in one pass) and rollout batch (prompts, each x G rows) that fit the
   chip's HBM; then the configured batch in the largest micro-batches that divide it, compiled,
   where that differs from `train.micro_batch`."""
+  from reasoner.build import build, judged
+
   devices, chip, method = target(topology, compile=not analytic)
   shape = topology.partition(":")[2]
   n_dev = (len(devices) if devices is not None else
            math.prod(int(x) for x in shape.split("x")) if shape else len(jax.devices()))
+  n_dev -= (cfg.judge.devices or 0) if judged(cfg) else 0  # the policy's share
   fsdp, tp = mesh_lib.mesh_shape(cfg.mesh, n_dev)
   check_mesh(cfg, fsdp)
   g = cfg.rollout.num_generations
@@ -405,8 +428,6 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
-    from reasoner.build import build
-
     setup = build(cfg, abstract=True, devices=devices)
     layout = decode_layout(setup, None if topology == "cpu" else chip.hbm, chip)
     measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
@@ -428,6 +449,9 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     if report["rollout"].layout != "train":
       log(f"  rollout step on the training layout, {b} prompts x {g} ...")
       report["rollout_train"] = rollout_plan(setup, b, chip, "train")
+    if judged(cfg):
+      log(f"  judge, {cfg.judge.batch_size} prompts of {cfg.judge.max_tokens} tokens ...")
+      report["judge"], report["judge_on"] = judge_plan(setup, devices, chip)
   if not search:
     return report
   steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
@@ -448,7 +472,8 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
 
 
 def _row(r: StepPlan, chip: Chip) -> str:
-  head = f"  {r.what:8s} {r.prompts:5d} x G = {r.rows:5d} rows" + (
+  rows = f"x G = {r.rows:5d} rows" if r.what != "judge" else "prompts"
+  head = f"  {r.what:8s} {r.prompts:5d} {rows}" + (
       f" in {r.prompts // r.micro} micro-batches:" if 0 < r.micro < r.prompts else ":")
   if not r.fits and not r.total:
     return f"{head} does not fit: {r.note}"
@@ -489,6 +514,11 @@ def format_report(report: dict[str, Any]) -> str:
                  f"step's arguments {(rollout.total + train.arguments) / GiB:.2f} GiB")
   if "rollout_train" in report:
     lines.append(_row(report["rollout_train"], chip) + "  (training layout)")
+  if "judge" in report:
+    j = report["judge"]
+    n = judge_batches(report)
+    lines.append(_row(j, chip) + f"  (on {report['judge_on']}; {n} batch{'es' * (n > 1)} a "
+                 "step)")
   for what, tried in report["tried"].items():
     best = report["largest"].get(what)
     name = "train micro-batch (one pass)" if what == "train" else "rollout batch"
@@ -506,6 +536,7 @@ def format_report(report: dict[str, Any]) -> str:
       step = step_seconds(report, key)
       lines.append(f"GRPO step ({name}): est. {step:.3g} s (rollout + "
                    + ("log-prob forwards + " * ("logprobs" in report))
+                   + ("judge + " * ("judge" in report))
                    + f"train): at most {int(SESSION // step) if step else 0} steps in a "
                    f"{SESSION // 3600}-hour session")
   return "\n".join(lines)

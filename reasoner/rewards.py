@@ -2,9 +2,10 @@
 
 Built-ins: `format_exact`, `format_partial`, `correct` (the answer checked: numbers, LaTeX);
 for answers no parser can check, `relevance` (ROUGE-L against the reference, Google's
-rouge-score) and `repetition` (repeated word 4-grams). Any other function is referenced as
-'module:function'. `batch` holds per-completion fields: `answer` (the reference, or None) and
-`category`.
+rouge-score) and `repetition` (repeated word 4-grams); `judge`, a model's grade
+(reasoner/judge.py, bound to the run's model by `build`). Any other function is referenced as
+'module:function'. `batch` holds per-completion fields: `question` (the record's, unrendered),
+`answer` (the reference, or None) and `category`.
 
 Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
 row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
@@ -141,9 +142,13 @@ def overlong(lengths: np.ndarray, max_new_tokens: int, buffer: int,
   return (-penalty * np.minimum(over / max(buffer, 1), 1.0)).astype(np.float32)
 
 
+def unbound_judge(prompts, completions, **_) -> list[float]:
+  raise RewardError("the judge reward has no model: build() binds it (Rewards.bind)")
+
+
 BUILTIN: dict[str, RewardFn] = {"format_exact": format_exact, "format_partial": format_partial,
                                 "correct": correct, "relevance": relevance,
-                                "repetition": repetition}
+                                "repetition": repetition, "judge": unbound_judge}
 
 
 def resolve(name: str) -> RewardFn:
@@ -183,6 +188,10 @@ class Rewards:
     self.fns = [resolve(s.fn) for s in specs]
     self.weights = np.asarray([s.weight / total for s in specs], np.float32)
     self.workers = workers
+
+  def bind(self, name: str, fn: RewardFn) -> None:
+    """Replaces built-in `name` (the judge, once its model is loaded) by `fn`."""
+    self.fns = [fn if s.fn == name else f for s, f in zip(self.specs, self.fns)]
 
   def _scores(self, k: int, category: str | None) -> bool:
     cats = self.specs[k].categories

@@ -50,7 +50,8 @@ def _sample_round(setup: Setup, sampler: Sampler, lora, records, key) -> _Groups
   prompts, answers = rep(prompts), rep([r["answer"] for r in records])
   categories = rep([r.get("category") for r in records])
   t0 = time.perf_counter()
-  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers, category=categories)
+  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers, category=categories,
+                                question=rep([r["question"] for r in records]))
   reward_s = time.perf_counter() - t0
   o = cfg.grpo
   if o.overlong_buffer:

@@ -5,7 +5,7 @@ from reasoner.config import ConfigError, check_mesh, load_config
 
 
 def test_presets_load():
-  for name in ("embedded", "tiny", "gemma3_1b", "gemma2_2b"):
+  for name in ("embedded", "embedded_sft", "tiny", "gemma3_1b", "gemma2_2b"):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     assert cfg.rollout.num_generations >= 2
 

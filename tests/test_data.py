@@ -31,7 +31,7 @@ def test_local_files_with_configured_fields(tmp_path):
     cfg = DataConfig(source=src, path=str(path), question_field="q", answer_field="a", num_eval=3)
     train, held = sources.load_splits(cfg)
     assert len(train) == 7 and held[-1] == {"question": "what is 9+9?", "answer": "18",
-                                            "category": None}
+                                            "category": None, "response": None}
   with pytest.raises(sources.DataError, match="has no field 'question'"):
     sources.load_splits(DataConfig(source="jsonl", path=str(jl)))
 
@@ -108,3 +108,33 @@ def test_the_mixed_example_and_optional_fields():
                                               "code"}
   assert all((r["answer"] is None) == (r["category"] == "creative") for r in records)
   assert all(r["category"] == "math" for r in sources.load_splits(DataConfig())[1])
+
+
+def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
+  rows = [{"messages": [{"role": "user", "content": "Name a colour."},
+                        {"role": "assistant", "content": "Blue."}], "category": "ideas"},
+          {"prompt": "Say hi.", "reply": "Hi!"}]
+  path = tmp_path / "chat.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows[:1]))
+  got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
+                           "data.path")
+  assert got == [{"question": "Name a colour.", "answer": None, "category": "ideas",
+                  "response": "Blue."}]
+  path.write_text(json.dumps(rows[1]))
+  cfg = DataConfig(source="jsonl", path=str(path), question_field="prompt",
+                   response_field="reply")
+  assert sources._read_file(str(path), "jsonl", cfg, "data.path")[0]["response"] == "Hi!"
+  path.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}))
+  with pytest.raises(sources.DataError, match=r"record 0: 'messages' must be a user turn .* roles "
+                                      r"\['system'\]"):
+    sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
+                       "data.path")
+
+
+def test_arithmetic_worked_solutions_state_the_answer():
+  from reasoner import rewards
+
+  train, _ = arithmetic.generate(50, 5, seed=0, difficulty="medium")
+  for r in train:
+    assert rewards.correct([""], [r["response"]], answer=[r["answer"]])[0] == 1.0
+    assert rewards.format_exact([""], [r["response"]])[0] == 1.0

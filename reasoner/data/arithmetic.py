@@ -33,7 +33,16 @@ def _problem(rng: random.Random, difficulty: str) -> dict:
   pronoun = "They" if name in ("Raj", "Kim") else ("He" if name in ("Sam", "Tom", "Leo", "Ben",
                                                                       "Max") else "She")
   question = template.format(n=name, a=a, b=b, x=item, p=pronoun)
-  return {"question": question, "answer": str(answer), "category": "math"}
+  return {"question": question, "answer": str(answer), "category": "math",
+          "response": solution(op, a, b, answer)}
+
+
+def solution(op: str, a: int, b: int, answer: int) -> str:
+  """A short worked solution in the prompts' format (SFT's target): why this operation, then
+  the sum, as the few-shot examples of `prompts` do."""
+  why = {"+": f"{b} more: {a} + {b} = {answer}", "-": f"{b} fewer: {a} - {b} = {answer}",
+         "*": f"{a} groups of {b}: {a} * {b} = {answer}"}[op]
+  return f"<reasoning>{why}</reasoning>\n<answer>{answer}</answer>"
 
 
 def generate(num_train: int, num_eval: int, seed: int, difficulty: str = "easy"

@@ -1,6 +1,7 @@
 """Prompt templates: a plain few-shot prompt for base models, Gemma's chat template for -it ones.
 
-Both ask for `<reasoning>...</reasoning><answer>...</answer>`. The embedded model is a
+All ask for `<reasoning>...</reasoning><answer>...</answer>`; `plain` only asks, for a model
+that SFT taught the format. The embedded model is a
 pretrained base model: it does not follow the chat template, but it continues a few-shot
 pattern, so that is the honest way to show it the format GRPO then reinforces.
 """
@@ -26,12 +27,16 @@ def fewshot(question: str) -> str:
   return f"{INSTRUCTION}\n\n{shots}Question: {question}\n"
 
 
+def plain(question: str) -> str:
+  return f"{INSTRUCTION}\n\nQuestion: {question}\n"
+
+
 def chat(question: str) -> str:
   return (f"<start_of_turn>user\n{INSTRUCTION}\n\n{question}<end_of_turn>\n"
           "<start_of_turn>model\n")
 
 
-TEMPLATES = {"fewshot": fewshot, "chat": chat}
+TEMPLATES = {"fewshot": fewshot, "chat": chat, "plain": plain}
 
 
 def render(template: str, question: str) -> str:

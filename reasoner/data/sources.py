@@ -1,8 +1,11 @@
 """Records from the configured source, and the grain training pipeline.
 
-A record is {'question': str, 'answer': str | None, 'category': str | None}: the reference
-answer and the category are optional in a file (rewards that need an answer, and routing by
-category, are checked against the records in `rewards.Rewards.check`, before any model loads).
+A record is {'question': str, 'answer': str | None, 'category': str | None, 'response':
+str | None}: the reference answer, the category and the response (SFT's target) are optional in
+a file (rewards that need an answer, and routing by category, are checked against the records in
+`rewards.Rewards.check`, responses by `sft.check`, before any model loads). A record may give its
+question and response as chat `messages` instead: [{role: user, content}, {role: assistant (or
+model), content}].
 """
 
 from __future__ import annotations
@@ -44,15 +47,36 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
       raise DataError(f"{path}: not a readable Parquet file ({e})") from None
   out = []
   for i, row in enumerate(rows):
+    if "messages" in row and cfg.question_field not in row:
+      row = {**row, **_from_messages(row["messages"], f"{path}: record {i}", cfg)}
     if cfg.question_field not in row:
       raise DataError(f"{path}: record {i} has no field '{cfg.question_field}' "
                       f"({section}.question_field); it has {', '.join(sorted(row))}")
     answer, category = row.get(cfg.answer_field), row.get(cfg.category_field)
     out.append({"question": str(row[cfg.question_field]),
                 "answer": None if answer is None else _final_answer(str(answer)),
-                "category": None if category is None else str(category)})
+                "category": None if category is None else str(category),
+                "response": _text(row, getattr(cfg, "response_field", None))})
   if not out:
     raise DataError(f"{path}: no records")
+  return out
+
+
+def _text(row: dict, field: str | None) -> str | None:
+  return None if field is None or row.get(field) is None else str(row[field])
+
+
+def _from_messages(messages, where: str, cfg: DataConfig | EvalSet) -> dict:
+  """{question_field, response_field} of a single-turn chat: a user turn, then the model's."""
+  roles = [m.get("role") for m in messages] if isinstance(messages, list) and all(
+      isinstance(m, dict) for m in messages) else None
+  if roles not in (["user", "assistant"], ["user", "model"], ["user"]):
+    raise DataError(f"{where}: 'messages' must be a user turn and the model's reply "
+                    f"([{{role: user, content}}, {{role: assistant, content}}]); it has roles "
+                    f"{roles}")
+  out = {cfg.question_field: messages[0].get("content", "")}
+  if len(messages) == 2:
+    out[getattr(cfg, "response_field", "response")] = messages[1].get("content", "")
   return out
 
 

@@ -1,0 +1,125 @@
+"""The judge reward: its grade against a dense computation of the grade tokens' probabilities,
+routed by category, and its settings refused in one line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, tiny_config
+from reasoner import heads, lora as lora_lib
+from reasoner.build import build
+from reasoner.config import ConfigError
+from reasoner.judge import Judge
+from reasoner.models.cache import causal_mask, positions_from_mask
+
+RUBRIC = "Rate 1-5.\nQ: {question}\nA: {response}\nRef: {reference}\nGrade (1, 2, 3, 4, 5): "
+MIXED = ("data.source=jsonl", f"data.path={ROOT / 'data/mixed.jsonl'}", "data.num_eval=2",
+         "rewards=[{fn: judge, categories: [creative, science, summarisation, code]}, "
+         "{fn: correct, categories: [math]}]")
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return build(tiny_config(*MIXED, f"judge.rubric={json.dumps(RUBRIC)}", "judge.batch_size=4"))
+
+
+def test_grade_is_the_expected_grade_of_a_dense_forward(setup):
+  judge = setup.rewards.fns[0]
+  assert isinstance(judge, Judge)
+  qs = ["Why is the sky blue?", "Sum 2 and 3.", "A haiku on rain.", "x", "Name a prime."]
+  rs = ["Rayleigh scattering.", "<answer>5</answer>", "Rain taps the roof", "", "7"]
+  refs = ["Short wavelengths scatter more.", "5", None, None, "2"]
+  got = judge(["p"] * 5, rs, question=qs, answer=refs)
+  texts = judge.texts(rs, qs, refs)
+  assert "Ref: (none given)" in texts[2] and texts[0].startswith("Rate 1-5.\nQ: Why is")
+  model = setup.model(lora_lib.zeros_like(setup.lora))  # the base: LoRA off
+  np.testing.assert_allclose(got, _dense_grades(model, setup.tokenizer, texts), rtol=1e-5,
+                             atol=1e-6)
+  assert len(set(np.round(got, 6))) > 1  # the grades differ between completions
+
+
+def _dense_grades(model, tokenizer, texts):
+  """One prompt at a time, no padding, the full vocabulary's logits: the expected grade."""
+  grade_ids = jnp.asarray([tokenizer.encode(g)[0] for g in "12345"])
+  out = []
+  for text in texts:
+    ids = jnp.asarray([tokenizer.encode(text, add_bos=True)])
+    valid = jnp.ones_like(ids, bool)
+    h, _ = model.hidden_states(ids, positions_from_mask(valid), None, causal_mask(valid))
+    z = heads.logits(h[:, -1], model.embedding(), model.logit_softcap)[0]
+    out.append(float(jax.nn.softmax(z[grade_ids]) @ jnp.arange(5.0) / 4))
+  return out
+
+
+def test_a_judge_of_its_own_lives_on_the_last_four_devices():
+  """judge.devices: 4 on 8 devices: the judge's weights only on the last four, the policy's
+  only on the first four; its grades those of a dense forward of the judge's own model."""
+  from flax import nnx
+
+  own = "judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
+  setup = build(tiny_config(*MIXED, own, "judge.devices=4", f"judge.rubric={json.dumps(RUBRIC)}",
+                            "train.batch_size=2"))
+  judge = setup.rewards.fns[0]
+  where = lambda tree: {s.device for x in jax.tree.leaves(tree) for s in x.addressable_shards}
+  assert where(setup.base) | where(setup.lora) == set(jax.devices()[:4])
+  assert where(judge.params) == set(jax.devices()[4:])
+  assert setup.mesh.devices.size == 4 and judge.mesh.devices.size == 4
+  texts = judge.texts(["Blue.", "7"], ["Sky colour?", "A prime?"], [None, "2"])
+  got = judge(["p", "p"], ["Blue.", "7"], question=["Sky colour?", "A prime?"],
+              answer=[None, "2"])
+  model = nnx.merge(judge.graphdef, *judge.params)
+  assert len(model.layers) == 1  # the judge's own model, not the policy's two layers
+  np.testing.assert_allclose(got, _dense_grades(model, judge.tokenizer, texts), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_judge_scores_only_its_categories(setup):
+  total, per_fn = setup.rewards(["p"] * 3, ["<answer>4</answer>", "a poem", "a proof"],
+                                answer=["4", None, "QED"], category=["math", "creative", "code"],
+                                question=["2+2?", "A poem.", "Prove it."])
+  judge, correct = per_fn["judge"], per_fn["correct"]
+  assert np.isnan(judge[0]) and not np.isnan(judge[1:]).any()
+  assert 0 <= judge[1:].min() and judge[1:].max() <= 1
+  assert correct[0] == 1.0 and np.isnan(correct[1:]).all()
+  np.testing.assert_allclose(total, [1.0, judge[1], judge[2]], rtol=1e-6)
+
+
+def test_bad_judge_settings_fail_in_one_line():
+  with pytest.raises(ConfigError,
+                     match=r"'judge.rubric' = 'Grade 1 to 4: {response}': .*missing: 2, 3, 5"):
+    tiny_config("judge.rubric='Grade 1 to 4: {response}'")
+  with pytest.raises(ConfigError, match=r"'judge.rubric'.*missing: \{response\}"):
+    tiny_config("judge.rubric='Grade 1, 2, 3, 4, 5'")
+  with pytest.raises(ConfigError, match="'judge.grades'.*two or more distinct"):
+    tiny_config("judge.grades=['1', '1']")
+  cfg = tiny_config(*MIXED, "judge.grades=['1', '10']", "judge.rubric='1 or 10: {response}'")
+  with pytest.raises(ConfigError, match=r"'judge.grades': '10' is 2 tokens"):
+    build(cfg)
+  with pytest.raises(ConfigError, match=r"'judge.devices' = 4: expected null .* of its own"):
+    tiny_config(*MIXED, "judge.devices=4")
+  own = "judge.model={source: random, name: tiny, tokenizer: bytes}"
+  with pytest.raises(ConfigError, match=r"'judge.devices' = 8: this run has 8 devices, and the "
+                                        r"policy needs at least one \(at most 7\)"):
+    build(tiny_config(*MIXED, own, "judge.devices=8"))
+
+
+def test_the_planner_plans_the_judge_on_its_own_chips():
+  """`plan` compiles one judge batch on the judge's four chips, the policy's steps on the
+  other four, and counts the judge's batches in the GRPO step's estimate."""
+  from reasoner import plan
+
+  own = "judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
+  report = plan.plan(tiny_config(*MIXED, own, "judge.devices=4", "judge.max_tokens=128",
+                                 "train.batch_size=2", "data.max_prompt_tokens=64"), "cpu",
+                     search=False)
+  assert report["mesh"]["fsdp"] == 4 and report["judge_on"] == "4 chips of its own"
+  judge = report["judge"]
+  assert judge.fits and judge.what == "judge" and judge.prompts == 16
+  weights = build(tiny_config(*MIXED, own.replace("judge.model=", "model="))).base
+  full = sum(x.nbytes for x in jax.tree.leaves(weights))
+  assert full / 8 < judge.arguments < full / 2  # its weights split over its own four chips
+  text = plan.format_report(report)
+  assert "(on 4 chips of its own; 1 batch a step)" in text and "judge + train" in text
