@@ -23,10 +23,11 @@
 # What happens, in order:
 # 1. **Plan**: per-chip memory and estimated step time, compiled ahead of time, and how many
 #    steps fit in this session.
-# 2. **Evaluate before training**: greedy answers on held-out problems.
-# 3. **Train** until the configured steps or the session's deadline, saving checkpoints.
-# 4. **Evaluate after**, and compare completions before and after side by side.
-# 5. **Export**: LoRA merged into the base weights, written as a Kaggle Flax checkpoint.
+# 2. Optionally, **supervised fine-tuning** on worked solutions first.
+# 3. **Evaluate before training**: greedy answers on held-out problems.
+# 4. **Train** until the configured steps or the session's deadline, saving checkpoints.
+# 5. **Evaluate after**, and compare completions before and after side by side.
+# 6. **Export**: LoRA merged into the base weights, written as a Kaggle Flax checkpoint.
 #
 # A 9-hour Kaggle session is rarely enough for a full run: the last section says how a second
 # session continues exactly where this one stopped.
@@ -54,12 +55,14 @@ if importlib.util.find_spec("reasoner") is None:
 # %% [markdown]
 # ## Parameters
 # `CONFIG` is a preset from `configs/` and `OVERRIDES` dotted settings on top of it
-# (`train.steps=200`, `rollout.temperature=0.8`, `train.resume_from=...`). Papermill sets them:
+# (`train.steps=200`, `rollout.temperature=0.8`, `train.resume_from=...`). `SFT`: None, or the
+# overrides of a supervised fine-tuning stage before GRPO (below). Papermill sets them:
 # `papermill grpo_kaggle.ipynb out.ipynb -p CONFIG configs/tiny.yaml`.
 
 # %% tags=["parameters"]
 CONFIG = "configs/gemma3_1b.yaml"
 OVERRIDES = []
+SFT = None  # e.g. ["train.steps=300", "train.batch_size=16", "optim.learning_rate=1e-4"]
 
 # %% [markdown]
 # ## The run
@@ -106,6 +109,19 @@ plan = nb.show_plan(cfg)
 from reasoner.data import prompts
 
 print(prompts.render(cfg.data.template, "A baker made 24 rolls and sold 9. How many are left?"))
+
+# %% [markdown]
+# ## Optional: supervised fine-tuning first
+# With `SFT` set, the LoRA first learns the data's worked solutions (GSM8K's, written in the
+# answer format), with the loss on the solutions' tokens only, under the run name
+# `<run_name>-sft`; GRPO then starts from its LoRA (`lora.init_from`). SFT teaches the format
+# and the method from written examples; GRPO then reinforces what the model itself samples.
+# On the embedded 270M, 32 SFT steps took held-out accuracy from 0 to 0.81 on a prompt without
+# examples, where 16 GRPO steps alone reached 0.70 with a two-shot prompt (README).
+
+# %%
+OVERRIDES = nb.sft_stage(CONFIG, OVERRIDES, SFT)
+cfg = nb.configure(CONFIG, OVERRIDES)
 
 # %% [markdown]
 # ## Load the model and evaluate it before training

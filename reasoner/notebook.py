@@ -22,9 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def configure(config: str, overrides: list[str]) -> Config:
   """The preset (a path from here or from the repository) with the overrides and, on Kaggle,
   the run directory and deadline defaults; prints what will run."""
-  path = pathlib.Path(config)
-  if not path.is_file() and (ROOT / config).is_file():
-    path = ROOT / config
+  path = _path(config)
   keys = {o.split("=", 1)[0].strip() for o in overrides}
   extra = []
   if session.on_kaggle():
@@ -39,6 +37,34 @@ def configure(config: str, overrides: list[str]) -> Config:
         + (f"; deadline {t.deadline}" if t.deadline else "")
         + ("; on Kaggle" if session.on_kaggle() else ""))
   return cfg
+
+
+def sft_stage(config: str, overrides: list[str], sft: list[str] | None) -> list[str]:
+  """With `sft` (the SFT stage's overrides on top of `overrides`; None: no SFT stage), runs SFT
+  to the end under run name <run_name>-sft and returns the GRPO stage's overrides, which start
+  from its LoRA (`lora.init_from`); its model is freed before GRPO loads its own."""
+  if sft is None:
+    return list(overrides)
+  import gc
+
+  from reasoner.loop import Run
+
+  name = load_config(_path(config), list(overrides)).train.run_name
+  cfg = configure(config, [*overrides, f"train.run_name={name}-sft", *sft])
+  run = Run(cfg, command="re-run this notebook", stage="sft")
+  if cfg.train.eval_before:
+    run.evaluate_before()
+  run.train()
+  run.evaluate_after()
+  run.close()
+  del run
+  gc.collect()
+  return [*overrides, f"lora.init_from={cfg.run_path}"]
+
+
+def _path(config: str) -> pathlib.Path:
+  path = pathlib.Path(config)
+  return ROOT / config if not path.is_file() and (ROOT / config).is_file() else path
 
 
 def show_plan(cfg: Config) -> dict:

@@ -138,3 +138,16 @@ def test_arithmetic_worked_solutions_state_the_answer():
   for r in train:
     assert rewards.correct([""], [r["response"]], answer=[r["answer"]])[0] == 1.0
     assert rewards.format_exact([""], [r["response"]])[0] == 1.0
+
+
+def test_gsm8k_solutions_become_responses():
+  from reasoner import rewards
+
+  row = {"question": "Tom has 3 bags of 4 apples and eats 2. How many are left?",
+         "answer": "He has 3*4=<<3*4=12>>12 apples.\nHe eats 2, so 12-2=<<12-2=10>>10 are left.\n"
+                   "#### 10"}
+  r = sources.gsm8k_record(row)
+  assert r["answer"] == "10" and r["category"] == "math"
+  assert r["response"] == ("<reasoning>He has 3*4=12 apples.\nHe eats 2, so 12-2=10 are left."
+                           "</reasoning>\n<answer>10</answer>")
+  assert rewards.format_exact([""], [r["response"]]) == [1.0]

@@ -21,13 +21,13 @@ def test_ipynb_is_generated_from_the_py():
       "notebooks/grpo_kaggle.ipynb differs from grpo_kaggle.py: run `make notebook`")
 
 
-def test_parameters_cell_defines_only_config_and_overrides():
+def test_parameters_cell_defines_only_config_overrides_and_sft():
   cells = [c for c in nbformat.read(IPYNB, as_version=4).cells
            if "parameters" in c.metadata.get("tags", [])]
   assert len(cells) == 1
   names = {}
   exec(cells[0].source, {}, names)
-  assert sorted(names) == ["CONFIG", "OVERRIDES"]
+  assert sorted(names) == ["CONFIG", "OVERRIDES", "SFT"]
 
 
 @pytest.mark.slow
@@ -39,7 +39,8 @@ def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
       str(IPYNB), str(out), cwd=str(ROOT), progress_bar=False, kernel_name="python3",
       parameters={"CONFIG": "configs/tiny.yaml",
                   "OVERRIDES": [f"train.run_dir={tmp_path / 'runs'}", "train.steps=2",
-                                "train.eval_before=true"]})
+                                "train.eval_before=true"],
+                  "SFT": ["train.steps=2", "train.eval_before=false"]})
   nb = nbformat.read(out, as_version=4)
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
@@ -49,6 +50,12 @@ def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
   assert any("image/png" in o.get("data", {}) for o in outputs)  # the reward plot
   text = "".join(o.get("text", "") for o in outputs)
   assert "trained to step 2 of 2" in text and "per chip" in text  # training, the plan
+  sft = json.loads((tmp_path / "runs" / "tiny-sft" / "run.json").read_text())
+  assert sft["stage"] == "sft" and (tmp_path / "runs" / "tiny-sft" / "checkpoints" / "2").is_dir()
+  grpo = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+  assert grpo["stage"] == "grpo"
+  assert grpo["config"]["lora"]["init_from"] == str(tmp_path / "runs" / "tiny-sft")
+  assert "LoRA from" in text and "(lora.init_from)" in text
   export = tmp_path / "runs" / "tiny" / "export-step-2"
   assert json.loads((export / "export.json").read_text())["step"] == 2
   assert (export / "tiny" / "_CHECKPOINT_METADATA").is_file()

@@ -166,7 +166,8 @@ def test_named_eval_sets_are_evaluated_and_logged_under_their_names(tmp_path):
                         "answer_field: a, num: 3}, {name: hard, source: arithmetic, "
                         "difficulty: hard, num: 2}]"))
   assert [len(s.eval_records), len(s.eval_sets["mine"]), len(s.eval_sets["hard"])] == [2, 3, 2]
-  assert s.eval_sets["mine"][1] == {"question": "What is 1 + 1?", "answer": "2", "category": None}
+  assert s.eval_sets["mine"][1] == {"question": "What is 1 + 1?", "answer": "2", "category": None,
+                                    "response": None}
   assert not {r["question"] for r in s.eval_sets["hard"]} & {r["question"] for r in
                                                                s.eval_records}
   writer = MetricsWriter(tmp_path / "run", enabled=True)

@@ -101,10 +101,16 @@ def _gsm8k() -> tuple[list[dict], list[dict]]:
   import datasets
 
   d = datasets.load_dataset("openai/gsm8k", "main")
-  conv = lambda split: [{"question": r["question"], "answer": _final_answer(r["answer"]),
-                         "category": "math"}
-                        for r in d[split]]
-  return conv("train"), conv("test")
+  return [gsm8k_record(r) for r in d["train"]], [gsm8k_record(r) for r in d["test"]]
+
+
+def gsm8k_record(row: dict) -> dict:
+  """A GSM8K row as a record; its worked solution (calculator notes <<...>> dropped) becomes
+  the response in the prompts' format, for SFT."""
+  steps = re.sub(r"<<[^>]*>>", "", row["answer"].split("####")[0]).strip()
+  final = _final_answer(row["answer"])
+  return {"question": row["question"], "answer": final, "category": "math",
+          "response": f"<reasoning>{steps}</reasoning>\n<answer>{final}</answer>"}
 
 
 def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
