@@ -79,7 +79,9 @@ class Run:
     if cfg.train.resume_from and not _has_checkpoints(self.path):
       manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, stage=stage,
                      via="train.resume_from")
-    if cfg.lora.init_from:
+    # lora.init_from starts a fresh run only: a later session (whose SFT run may be gone from
+    # the machine) continues from its own checkpoints or train.resume_from's
+    if cfg.lora.init_from and not cfg.train.resume_from and not _has_checkpoints(self.path):
       manifest.check(cfg, find_checkpoints(cfg.lora.init_from, "lora.init_from").parent,
                      via="lora.init_from")
     with self.clock.timed("load"):

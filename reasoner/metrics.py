@@ -67,7 +67,8 @@ class MetricsWriter:
       (self.path / name).write_text(json.dumps(data, indent=2) + "\n")
 
   def plot(self) -> pathlib.Path | None:
-    """reward.png: training reward per step, with held-out evaluations marked."""
+    """reward.png: training reward per step (SFT: the loss, on its own axis), with held-out
+    evaluations marked."""
     if not self.enabled or not (self.path / "metrics.jsonl").exists():
       return None
     import matplotlib
@@ -78,7 +79,14 @@ class MetricsWriter:
     rows = [json.loads(l) for l in (self.path / "metrics.jsonl").read_text().splitlines() if l]
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/mean_reward"]) for r in rows if "eval/mean_reward" in r]
+    sft = [(r["step"], r["loss"]) for r in rows if "padding" in r]  # an SFT step's row
     fig, ax = plt.subplots(figsize=(7, 4))
+    lines = []
+    if sft:
+      twin = ax.twinx()
+      s, v = zip(*sft)
+      lines += twin.plot(s, v, "-", color="tab:red", alpha=0.6, label="SFT loss (right)")
+      twin.set_ylabel("SFT loss (NLL a response token)")
     if train:
       s, v = zip(*train)
       ax.plot(s, v, ".", alpha=0.4, label="rollout reward")
@@ -91,7 +99,9 @@ class MetricsWriter:
     ax.set_xlabel("step")
     ax.set_ylabel("reward (0-1)")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend()
+    lines = ax.get_lines() + lines
+    if lines:
+      ax.legend(lines, [l.get_label() for l in lines], loc="center right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     out = self.path / "reward.png"

@@ -159,6 +159,7 @@ def test_resume_is_exact_and_grpo_starts_from_the_sft_lora(tmp_path):
   assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
   assert all(0 <= r["padding"] < 1 and r["loss"] > 0 for r in rows if "loss" in r)
   assert json.loads((run / "run.json").read_text())["stage"] == "sft"
+  assert (run / "reward.png").is_file()  # the loss and the held-out evaluation
   # The process died after saving step 2: the same command continues from it, to the same bits.
   shutil.rmtree(run / "checkpoints" / "4")
   _train(tmp_path, "sft")
@@ -187,6 +188,11 @@ def test_resume_is_exact_and_grpo_starts_from_the_sft_lora(tmp_path):
                if x.ndim > 0)
   finally:
     r.close()
+  # A later session continues from its own checkpoints, whether or not the SFT run is still there
+  _train(tmp_path, "grpo2", f"lora.init_from={run}", "train.steps=1", stage="grpo")
+  shutil.rmtree(run)
+  _train(tmp_path, "grpo2", f"lora.init_from={run}", "train.steps=2", stage="grpo")
+  assert (tmp_path / "grpo2" / "checkpoints" / "2").is_dir()
 
 
 def test_a_file_without_responses_fails_before_the_model_loads(tmp_path):
