@@ -227,16 +227,10 @@ class Run:
   def _init_from(self, state, say):
     """`state` with the LoRA of lora.init_from's newest readable checkpoint (an SFT run's)."""
     folder = find_checkpoints(self.cfg.lora.init_from, "lora.init_from")
-    ckpt = Checkpointer(folder, 1, read_only=True)
-    try:
-      found = ckpt.restore_latest(checkpoint_tree(state), say)
-    finally:
-      ckpt.close()
-    if found is None:
-      raise CheckpointError(f"config key 'lora.init_from' = '{self.cfg.lora.init_from}': no "
-                            f"checkpoint in {folder} can be read")
-    say(f"LoRA from {folder / str(found[0])} (lora.init_from); step 0, a fresh optimizer")
-    return state.replace(lora=found[1]["lora"])
+    step, tree, _ = _newest(folder, "lora.init_from", self.cfg.lora.init_from,
+                            checkpoint_tree(state), say)
+    say(f"LoRA from {folder / str(step)} (lora.init_from); step 0, a fresh optimizer")
+    return state.replace(lora=tree["lora"])
 
   def _step(self, state, step: int):
     if self.stage == "sft":
@@ -270,10 +264,7 @@ class Run:
     if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
       manifest.check(cfg, folder.parent, stage=self.stage, via="train.resume_from")
-      found = Checkpointer(folder, 1, read_only=True).restore_latest(target, say)
-      if found is None:
-        raise CheckpointError(f"config key 'train.resume_from' = '{cfg.train.resume_from}': no "
-                              f"checkpoint in {folder} can be read")
+      found = _newest(folder, "train.resume_from", cfg.train.resume_from, target, say)
       origin = folder.parent
     if found is None and cfg.lora.init_from:
       return self._init_from(state, say), 0, None
@@ -284,6 +275,20 @@ class Run:
     say(f"resumed from {folder / str(start)} "
         f"(step {start} of {cfg.train.steps})")
     return state.replace(**tree), start, origin
+
+
+def _newest(folder: pathlib.Path, key: str, value: str, target, say) -> tuple:
+  """(step, tree, data state) of the newest readable checkpoint of another run's `folder`
+  (config key `key` = `value` points at it), read-only; none readable is one line."""
+  ckpt = Checkpointer(folder, 1, read_only=True)
+  try:
+    found = ckpt.restore_latest(target, say)
+  finally:
+    ckpt.close()
+  if found is None:
+    raise CheckpointError(f"config key '{key}' = '{value}': no checkpoint in {folder} can be "
+                          "read")
+  return found
 
 
 def _postfix(m: dict) -> dict:

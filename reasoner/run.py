@@ -18,7 +18,7 @@ from reasoner.checkpoint import CheckpointError, Checkpointer
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
 from reasoner.sampler import Completions, Sampler, SamplingConfig
-from reasoner.trainer import Batch, Trainer, build_batch
+from reasoner.trainer import Batch, Trainer, build_batch, check_finite
 
 log = logging.getLogger("reasoner")
 
@@ -167,9 +167,7 @@ def grpo_step(setup: Setup, sampler: Sampler, trainer: Trainer, state, data, ste
   for _ in range(setup.cfg.grpo.num_iterations):
     state, step_metrics = trainer.train_step(state, batch)
   step_metrics = jax.device_get(step_metrics)
-  if not np.isfinite(step_metrics["loss"]):
-    raise FloatingPointError(f"step {step + 1}: the loss is {step_metrics['loss']}; "
-                             "stopping without saving (the last checkpoint is intact)")
+  check_finite(float(step_metrics["loss"]), step)
   dt = time.perf_counter() - t0
   tokens = metrics.pop("tokens")  # counted on the host: the batch spans every process
   metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,

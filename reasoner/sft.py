@@ -22,13 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
-from reasoner import heads, mesh as mesh_lib
+from reasoner import mesh as mesh_lib
 from reasoner.data import prompts as prompts_lib
 from reasoner.errors import DataError
-from reasoner.models.prompt import completion_hidden
-from reasoner.trainer import Trainer
+from reasoner.trainer import Trainer, check_finite
 
 
 class SFTBatch(NamedTuple):
@@ -166,16 +164,8 @@ class SFTTrainer(Trainer):
     return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
 
   def _sft_grads(self, base, lora, batch: SFTBatch, weights: jax.Array):
-    def loss_fn(model):
-      hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.response,
-                                 batch.response_mask, self.mesh)
-      loss, logp, _ = heads.fused_token_loss(
-          hidden, model.embedding(), batch.response, weights, nll, (), chunk=self.head_chunk,
-          mesh=self.mesh, softcap=model.logit_softcap)
-      return loss, logp
-
-    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
-    (loss, logp), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
+    """((loss, LoRA gradients), log-probs): the likelihood's (temperature 1, `for_run`)."""
+    (loss, grads), (logp, _) = self.token_loss_grads(base, lora, *batch, weights, nll, ())
     return (loss, grads), logp
 
   def _train_step(self, base, state, batch: SFTBatch):
@@ -199,9 +189,7 @@ def sft_step(setup, trainer: SFTTrainer, state, data: Batches, step: int):
   batch = SFTBatch(**{k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()})
   state, metrics = trainer.train_step(state, batch)
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not np.isfinite(metrics["loss"]):
-    raise FloatingPointError(f"step {step + 1}: the loss is {metrics['loss']}; stopping "
-                             "without saving (the last checkpoint is intact)")
+  check_finite(metrics["loss"], step)
   dt = time.perf_counter() - t0
   real = int(host["prompt_valid"].sum() + host["response_mask"].sum())
   cells = host["prompt"].size + host["response"].size

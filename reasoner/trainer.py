@@ -162,16 +162,23 @@ class Trainer:
     """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
     hold the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients
     of micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
+    row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
+    return self.token_loss_grads(
+        base, lora, *batch[:4], weights, functools.partial(grpo_lib.token_loss, obj=self.obj),
+        (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
+         row(seq_log_ratio)))
+
+  def token_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
+                       token_fn, token_args):
+    """((loss, LoRA gradients), (log-probs, entropy)) of the weighted per-token loss
+    `token_fn` of `tokens` after their prompts, through the fused head: GRPO's objective
+    (`_grads`) and SFT's likelihood (`sft.SFTTrainer`)."""
     def loss_fn(model):
-      hidden = completion_hidden(model, batch.prompt, batch.prompt_valid, batch.completion,
-                                 batch.completion_mask, self.mesh)
-      row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
+      hidden = completion_hidden(model, prompt, prompt_valid, tokens, mask, self.mesh)
       loss, logp, entropy = heads.fused_token_loss(
-          hidden, model.embedding(), batch.completion, weights,
-          functools.partial(grpo_lib.token_loss, obj=self.obj),
-          (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
-           row(seq_log_ratio)), chunk=self.head_chunk, mesh=self.mesh,
-          softcap=model.logit_softcap, temperature=self.temperature)
+          hidden, model.embedding(), tokens, weights, token_fn, token_args,
+          chunk=self.head_chunk, mesh=self.mesh, softcap=model.logit_softcap,
+          temperature=self.temperature)
       return loss, (logp, entropy)
 
     # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
@@ -224,6 +231,13 @@ class Trainer:
                **grpo_lib.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
                                          mask, batch.sampler_logp, seq, obj=self.obj)}
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), metrics
+
+
+def check_finite(loss: float, step: int) -> None:
+  """A step whose loss is not finite stops the run before its state is saved."""
+  if not np.isfinite(loss):
+    raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopping without saving "
+                             "(the last checkpoint is intact)")
 
 
 def split_micro(tree, prompts: int, k: int, mesh=None):
