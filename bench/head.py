@@ -60,7 +60,7 @@ def dense_step(trainer):
   from flax import nnx
   from tunix.rl.common import selective_log_softmax
 
-  from reasoner import grpo
+  from reasoner.objectives import grpo
   from reasoner.models.cache import causal_mask, positions_from_mask
 
   g = trainer.grpo
@@ -99,7 +99,7 @@ def planned(devices, chip) -> list[dict]:
   """(a): one row per remat setting, batch and step: ours in one pass, the dense reference,
   then ours in micro-batches (`train.micro_batch`, the gradient accumulated inside the step)
   of the largest one-pass batch that fit, at each larger batch of the grid."""
-  from reasoner import plan
+  from reasoner.planner import plan
   from reasoner.build import build
 
   rows = []
@@ -130,8 +130,8 @@ def _micro_base(rows, remat) -> int:
 def _compiled(rows, remat, name, batch, setup, chip, loss=None, micro=None) -> dict:
   """One row: the run's train step (`plan.train_plan`) or the reference `loss` step over the
   same abstract inputs, state donated as in `Trainer.step`."""
-  from reasoner import plan
-  from reasoner.trainer import Trainer
+  from reasoner.planner import chips, plan
+  from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
   t0 = time.perf_counter()
   cfg, prompts = setup.cfg, batch // G
@@ -145,8 +145,8 @@ def _compiled(rows, remat, name, batch, setup, chip, loss=None, micro=None) -> d
                           prompts, batch, chip)
   rows.append({"remat": remat, "step": name, "batch": batch,
                "micro_batch": (micro or batch // G) * G, "fits": r.fits,
-               "hbm_gib": r.total / plan.GiB if r.total else None,
-               "needs_gib": r.needed / plan.GiB if r.needed else None,
+               "hbm_gib": r.total / chips.GiB if r.total else None,
+               "needs_gib": r.needed / chips.GiB if r.needed else None,
                "tflop": r.flops / 1e12 if r.flops else None,
                "compile_s": time.perf_counter() - t0})
   print(common.table([rows[-1]]).splitlines()[-1], flush=True)
@@ -167,7 +167,8 @@ def head_inputs(b=1, t=512, d=640, v=262_144):
 def head_times() -> dict:
   """(b): best of REPEATS warm calls of jitted value_and_grad w.r.t. (hidden, embedding),
   the three heads' calls interleaved."""
-  from reasoner import grpo, heads
+  from reasoner.engine import heads
+  from reasoner.objectives import grpo
 
   h, e, y, mask, old, adv = head_inputs()
   a = jnp.broadcast_to(adv[:, None], old.shape)
@@ -206,7 +207,7 @@ def head_times() -> dict:
 
 def scan_count_check() -> float:
   """Planner FLOPs of a 16-step scan over one matmul / (16 x that matmul's FLOPs): 1.0."""
-  from reasoner import hlo
+  from reasoner.planner import hlo
 
   k, m, n, d = 16, 64, 128, 256
   f = lambda x, w: jax.lax.scan(lambda c, xi: (c + jnp.sum(xi @ w), None), 0.0, x)[0]
@@ -244,7 +245,7 @@ def summarise(rows: list[dict], hbm_gib: float) -> dict:
 
 
 def main() -> None:
-  from reasoner import plan
+  from reasoner.planner import plan
 
   devices, chip, method = plan.target("v5e:2x4")
   print(f"(a) {method}", flush=True)
@@ -257,9 +258,9 @@ def main() -> None:
 
 def report(rows: list[dict], times: dict, scan: float, method: str, **extra) -> None:
   """Goals and bench/results/head.json from (a)'s rows, (b)'s times and the scan check."""
-  from reasoner import plan
+  from reasoner.planner import chips
 
-  summary = summarise(rows, plan.CHIPS["v5e"].hbm / plan.GiB)  # the v5e:2x4 target above
+  summary = summarise(rows, chips.CHIPS["v5e"].hbm / chips.GiB)  # the v5e:2x4 target above
   ratio = times["fused_s"] / times["dense_s"]
   goals = [common.goal(f"HBM per chip at batch 32, remat {k}: ours / dense", v, 0.6)
            for k, v in summary["hbm_ratio_at_32"].items()]

@@ -68,13 +68,13 @@ class Ours:
   name = "reasoner"
 
   def __init__(self, graphdef, state, tok, mesh):
-    from reasoner.sampler import Sampler
+    from reasoner.engine.sampler import Sampler
 
     self.sampler = Sampler(graphdef, (state,), tok, mesh, PROMPT)
     self.states, self.tok = (state,), tok
 
   def run(self, prompts, g, new, seed, greedy=False):
-    from reasoner.sampler import SamplingConfig
+    from reasoner.engine.sampler import SamplingConfig
 
     cfg = SamplingConfig(max_new_tokens=new, stop_ids=(self.tok.eos_id,), pad_id=self.tok.pad_id,
                          **({"temperature": 0.0} if greedy else SAMPLING))

@@ -9,7 +9,7 @@ rows) and 'tp2', 'tp4', 'tp8' (Megatron-style over 2, 4, 8 chips, rows over the 
 per-chip memory, HBM bytes, collectives (count and bytes a decoded token, from the compiled
 HLO, `hlo.analyse`), the HBM-, interconnect- and FLOP-bound times of the whole rollout
 (`plan.StepPlan.times`: loop bodies once per trip, max_new_tokens trips, a ring latency +
-bandwidth model), which binds, and which layout `auto` picks (`plan.decode_layout`).
+bandwidth model), which binds, and which layout `auto` picks (`layout_lib.decode_layout`).
 
 Beside them, Tunix 0.1.7's sampler (`tunix.generate.sampler.Sampler`) on the same model, LoRA,
 shapes and sampling, compiled for the same chips as fsdp x tp meshes with Tunix's default
@@ -47,9 +47,9 @@ def tunix_rollout(cfg, devices, fsdp: int, tp: int, prompts: int, chip):
   from flax import nnx
   from tunix.generate import sampler as tunix_sampler
 
-  from reasoner import hlo, plan
+  from reasoner.planner import hlo, plan
   from reasoner.build import build
-  from reasoner.sampler import SamplingConfig
+  from reasoner.engine.sampler import SamplingConfig
 
   # remat off: nnx.remat inside Tunix's decode loop fails to trace (flax TraceContextError)
   cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp, tp=tp),
@@ -108,7 +108,7 @@ def _row(prompts: int, layout: str, r, total: int, chip) -> dict:
 
 
 def main() -> None:
-  from reasoner import plan
+  from reasoner.planner import layout as layout_lib, plan
   from reasoner.build import build
   from reasoner.config import load_config
 
@@ -119,7 +119,7 @@ def main() -> None:
   for prompts in PROMPTS:
     cfg = load_config("configs/gemma3_1b.yaml", [f"train.batch_size={prompts}"])
     setup = build(cfg, abstract=True, devices=devices)
-    auto = plan.decode_layout(setup, chip.hbm, chip)
+    auto = layout_lib.decode_layout(setup, chip.hbm, chip)
     layers = setup.spec.num_layers
     vocab = setup.spec.tunix_config.num_embed
     for layout in LAYOUTS:

@@ -11,7 +11,7 @@ import shlex
 import sys
 
 from reasoner.config import load_config
-from reasoner.errors import UserError
+from reasoner.errors import UserError, write_error
 
 DEFAULT_CONFIG = "configs/embedded.yaml"
 
@@ -62,6 +62,35 @@ def _say(text: str) -> None:
   sys.stderr.flush()
 
 
+def _run(args, cfg, argv: list[str]) -> None:
+  """The command, once the config is valid: each imports what it runs here, so that jax and
+  the model code load only after that (a bad config is one line in a second)."""
+  if args.command in ("train", "sft"):
+    from reasoner import loop
+
+    again = shlex.join(["python", "-m", "reasoner", *argv])
+    loop.train(cfg, command=again, stage=args.command if args.command == "sft" else "grpo")
+  elif args.command == "export":
+    from reasoner import export
+
+    export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
+  elif args.command == "plan":
+    from reasoner.planner import plan, report
+
+    found = plan.plan(cfg, args.topology, args.search, args.analytic,
+                      log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(report.format_report(found))
+  elif args.command == "eval":
+    from reasoner import evaluation
+
+    evaluation.eval_only(cfg)
+  else:
+    from reasoner import evaluation
+
+    for i, text in enumerate(evaluation.sample(cfg, args.question, args.n)):
+      print(f"[{i}] {text}")
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -77,29 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   try:
     cfg = load_config(args.config, args.overrides)
-    from reasoner import run  # heavy imports (jax, tunix) only after the config is valid
-
-    if args.command in ("train", "sft"):
-      again = shlex.join(["python", "-m", "reasoner", *argv])
-      from reasoner import loop
-
-      loop.train(cfg, command=again, stage="sft" if args.command == "sft" else "grpo")
-    elif args.command == "export":
-      from reasoner import export
-
-      export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
-    elif args.command == "plan":
-      from reasoner import plan
-
-      print(plan.format_report(plan.plan(cfg, args.topology, args.search, args.analytic,
-                                         log=lambda s: print(s, file=sys.stderr, flush=True))))
-    elif args.command == "eval":
-      from reasoner import evaluation
-
-      evaluation.eval_only(cfg)
-    else:
-      for i, text in enumerate(run.sample(cfg, args.question, args.n)):
-        print(f"[{i}] {text}")
+    _run(args, cfg, argv)
   except (UserError, FileNotFoundError, FloatingPointError) as e:
     if debug:
       raise
@@ -108,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
   except OSError as e:  # a full disk, a read-only folder: where, and the space left
     if debug or not e.filename:
       raise
-    from reasoner.checkpoint import write_error
-
     _say(f"error: cannot use {e.filename}: {write_error(e, pathlib.Path(e.filename).parent)}\n")
     return 2
   except loop_interrupted() as e:

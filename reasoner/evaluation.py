@@ -5,8 +5,8 @@ accuracy (the most frequent extracted answer against the reference).
 
 Each evaluation covers the held-out split (logged as eval/<metric>) and every named set of
 `eval.sets` (eval/<name>/<metric>; its figures also under "sets" in the held-out result).
-`python -m reasoner eval` runs `eval_only`; the training loop logs `evaluate_all` before, every
-`train.eval_every` steps and after training.
+`python -m reasoner eval` runs `eval_only` (and `sample` prints completions for one question);
+the training loop logs `evaluate_all` before, every `train.eval_every` steps and after training.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from reasoner import rewards as rewards_lib
 from reasoner.build import Setup, build
 from reasoner.config import Config
 from reasoner.data import prompts as prompts_lib
-from reasoner.metrics import MetricsWriter
-from reasoner.run import restore_lora
-from reasoner.sampler import Sampler, SamplingConfig
+from reasoner.engine.checkpoint import restore_lora
+from reasoner.engine.metrics import MetricsWriter
+from reasoner.engine.sampler import Sampler, SamplingConfig
+from reasoner.rewards import builtin as rewards_lib
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -140,3 +140,15 @@ def eval_only(cfg: Config) -> dict:
   sampler = Sampler.for_run(setup)
   return evaluate_all(setup, sampler, lora,
                       f"checkpoint {step}" if step else "no checkpoint: base model")
+
+
+def sample(cfg: Config, question: str, n: int) -> list[str]:
+  """`python -m reasoner sample`: n completions (1: greedy) of the run's newest LoRA."""
+  setup = build(cfg)
+  lora, _ = restore_lora(setup)
+  sampler = Sampler.for_run(setup)
+  prompt = prompts_lib.render(cfg.data.template, question)
+  scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=n == 1)
+  comps, _, _ = sampler.sample((lora, setup.base), [prompt], jax.random.PRNGKey(cfg.train.seed),
+                               scfg, max(n, 1) if n > 1 else 1)
+  return comps.texts

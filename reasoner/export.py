@@ -34,8 +34,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from reasoner import mesh as mesh_lib
-from reasoner.checkpoint import held_back, is_write_failure, write_error
+from reasoner.build import build
 from reasoner.config import Config, ConfigError
+from reasoner.engine.checkpoint import held_back, restore_lora
+from reasoner.errors import is_write_failure, write_error
 from reasoner.models import gemma, kaggle
 
 
@@ -219,13 +221,10 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
            formats: tuple[str, ...] = ("orbax",), log=print, setup=None) -> pathlib.Path:
   """Writes the run's checkpoint (latest, or `step`) merged into the base as DIR. `setup`: the
   run's, already built (the notebook's), else built from `cfg`."""
-  from reasoner import run as run_lib
-  from reasoner.build import build
-
   out = pathlib.Path(out).absolute()
   check_out(out)
   setup = setup or build(cfg)
-  lora, got = run_lib.restore_lora(setup, step)
+  lora, got = restore_lora(setup, step)
   params = merged(setup.graphdef, lora, setup.base, cfg.lora.alpha / cfg.lora.rank)
   family = gemma.model_spec(cfg.model).family
   variant = variant_name(cfg)

@@ -1,6 +1,6 @@
-"""The training run: resume, evaluate before, GRPO (or SFT) steps until done or the session's
-deadline, evaluate after. `python -m reasoner train` and `sft` call `train`; the notebook calls
-the same phases of `Run` in cells of their own.
+"""The training run: resume, evaluate before, a stage's steps (GRPO, SFT: `STAGES`) until done
+or the session's deadline, evaluate after. `python -m reasoner train` and `sft` call `train`;
+the notebook calls the same phases of `Run` in cells of their own.
 
 A run resumes from its own latest checkpoint, else from `train.resume_from` (another session's
 output, read-only: its logs are carried over, so this run's directory reads as one run's). Each
@@ -22,17 +22,19 @@ import threading
 import jax
 from tqdm import tqdm
 
-from reasoner import manifest, session, sft
 from reasoner.build import build
-from reasoner.checkpoint import CheckpointError, Checkpointer, find_checkpoints, write_error
 from reasoner.config import Config, ConfigError
-from reasoner.data import sources
-from reasoner.metrics import MetricsWriter
-from reasoner.mesh import agreed, largest
+from reasoner.engine import manifest, session
+from reasoner.engine.checkpoint import CheckpointError, Checkpointer, find_checkpoints
+from reasoner.engine.metrics import MetricsWriter
+from reasoner.engine.sampler import Sampler
+from reasoner.engine.trainer import Stage, checkpoint_tree
+from reasoner.errors import write_error
 from reasoner.evaluation import evaluate_all
-from reasoner.run import checkpoint_tree, grpo_step
-from reasoner.sampler import Sampler
-from reasoner.trainer import Trainer
+from reasoner.mesh import agreed, largest
+from reasoner.objectives import grpo, sft
+
+STAGES: dict[str, Stage] = {s.name: s for s in (grpo.STAGE, sft.STAGE)}
 
 
 class Interrupted(Exception):
@@ -65,6 +67,7 @@ class Run:
 
   def __init__(self, cfg: Config, command: str | None = None, stage: str = "grpo"):
     self.cfg, self.command, self.stage = cfg, command, stage
+    kind = STAGES[stage]
     deadline = session.parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
     self.clock = session.Clock(deadline, cfg.train.checkpoint_minutes)
     if self.clock.left() <= 0:
@@ -76,28 +79,25 @@ class Run:
       session.claim(self.path)
     # before anything loads: a refused start costs nothing
     manifest.check(cfg, self.path, stage=stage)
+    self._checked: set = set()  # another run's directories whose manifest was checked
     if cfg.train.resume_from and not _has_checkpoints(self.path):
-      manifest.check(cfg, find_checkpoints(cfg.train.resume_from).parent, stage=stage,
-                     via="train.resume_from")
+      self._check_source(find_checkpoints(cfg.train.resume_from))
     # lora.init_from starts a fresh run only: a later session (whose SFT run may be gone from
     # the machine) continues from its own checkpoints or train.resume_from's
     if cfg.lora.init_from and not cfg.train.resume_from and not _has_checkpoints(self.path):
       manifest.check(cfg, find_checkpoints(cfg.lora.init_from, "lora.init_from").parent,
                      via="lora.init_from")
     with self.clock.timed("load"):
-      self.setup = build(cfg, sft=stage == "sft")
+      self.setup = build(cfg, check_records=kind.check_records)
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
-    kind = sft.SFTTrainer if stage == "sft" else Trainer
-    self.trainer = kind.for_run(self.setup.graphdef, self.setup.base, cfg)
+    self.trainer = kind.trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
     self.sampler = Sampler.for_run(self.setup)
     self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)
     state = self.trainer.init_state(self.setup.lora, jax.random.PRNGKey(cfg.train.seed))
     # Every process draws the same global batch of questions (a few KB of text); placement
     # (mesh.put_batch) gives each process's devices only their rows.
-    self.data = (sources.train_iterator(self.setup.train_records, cfg.train.batch_size,
-                                        cfg.train.seed) if stage == "grpo" else
-                 sft.batches(self.setup, tqdm.write if jax.process_index() == 0 else None))
+    self.data = kind.batches(self.setup, tqdm.write if jax.process_index() == 0 else None)
     self.state, self.start, origin = self._resume(state)
     self.step = self.start
     self.writer.start(self.start, carry_over=origin)
@@ -233,12 +233,19 @@ class Run:
     return state.replace(lora=tree["lora"])
 
   def _step(self, state, step: int):
-    if self.stage == "sft":
-      return sft.sft_step(self.setup, self.trainer, state, self.data, step)
-    state, metrics = grpo_step(self.setup, self.sampler, self.trainer, state, self.data, step)
-    self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))
-    self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
+    state, metrics = STAGES[self.stage].step(self.setup, self.sampler, self.trainer, state,
+                                             self.data, step)
+    if "rollout_s" in metrics:
+      self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))
+    if "samples" in metrics:
+      self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
     return state, metrics
+
+  def _check_source(self, folder: pathlib.Path) -> None:
+    """train.resume_from's run (`folder`: its checkpoints) fits this one: checked once."""
+    if folder not in self._checked:
+      manifest.check(self.cfg, folder.parent, stage=self.stage, via="train.resume_from")
+      self._checked.add(folder)
 
   def _save(self, step: int, state) -> None:
     with self.clock.timed("save"):
@@ -263,7 +270,7 @@ class Run:
           f"of its own, and continues from its newest")
     if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
-      manifest.check(cfg, folder.parent, stage=self.stage, via="train.resume_from")
+      self._check_source(folder)
       found = _newest(folder, "train.resume_from", cfg.train.resume_from, target, say)
       origin = folder.parent
     if found is None and cfg.lora.init_from:
@@ -291,12 +298,14 @@ def _newest(folder: pathlib.Path, key: str, value: str, target, say) -> tuple:
   return found
 
 
+# the progress bar's figures, those a step's metrics have: (metric, label, format)
+_POSTFIX = (("reward/mean", "reward", ".2f"), ("accuracy", "acc", ".2f"),
+            ("format_rate", "fmt", ".2f"), ("loss", "loss", ".3f"), ("padding", "pad", ".2f"),
+            ("step_time_s", "s", ".0f"))
+
+
 def _postfix(m: dict) -> dict:
-  if "reward/mean" not in m:  # SFT
-    return {"loss": f"{m['loss']:.3f}", "pad": f"{m['padding']:.2f}",
-            "s": f"{m['step_time_s']:.0f}"}
-  return {"reward": f"{m['reward/mean']:.2f}", "acc": f"{m['accuracy']:.2f}",
-          "fmt": f"{m['format_rate']:.2f}", "s": f"{m['step_time_s']:.0f}"}
+  return {label: format(m[k], f) for k, label, f in _POSTFIX if k in m}
 
 
 def _eval_share(cfg: Config) -> float:

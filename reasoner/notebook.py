@@ -4,6 +4,10 @@ Kaggle is detected, not assumed (`session.on_kaggle`): there, runs are written u
 /kaggle/working (the inputs under /kaggle/input are read-only) and the session's deadline
 defaults to 8h30m from the kernel's start, half an hour inside Kaggle's 9 hours for the cells
 after training. Elsewhere the same notebook runs as it is, with neither default.
+
+The cells that train, plan and export import what they run when they run (`Run`, the planner,
+`export`): jax and the model code load only once a config has been read and printed, so that a
+bad config in the parameters cell is one line, as on the command line.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import pathlib
 import time
 
-from reasoner import session
+from reasoner.engine import session
 from reasoner.config import Config, load_config
 
 KAGGLE_DEADLINE = "8h30m"
@@ -47,7 +51,7 @@ def sft_stage(config: str, overrides: list[str], sft: list[str] | None) -> list[
     return list(overrides)
   import gc
 
-  from reasoner.loop import Run
+  from reasoner.loop import Run  # jax only once a cell trains (the module's docstring)
 
   name = load_config(_path(config), list(overrides)).train.run_name
   cfg = configure(config, [*overrides, f"train.run_name={name}-sft", *sft])
@@ -72,12 +76,12 @@ def show_plan(cfg: Config) -> dict:
   (v5e limits on a CPU), and how many steps the session's time holds at that estimate."""
   import jax
 
-  from reasoner import plan
+  from reasoner.planner import plan, report  # jax only once a cell plans
 
   topology = "v5e:2x4" if jax.default_backend() == "tpu" else "cpu"
-  report = plan.plan(cfg, topology, search=False)
-  print(plan.format_report(report))
-  step_s = plan.step_seconds(report)
+  plan_report = plan.plan(cfg, topology, search=False)
+  print(report.format_report(plan_report))
+  step_s = plan.step_seconds(plan_report)
   deadline = cfg.train.deadline and session.parse_deadline(cfg.train.deadline)
   if deadline:
     left = deadline - time.time()
@@ -87,7 +91,7 @@ def show_plan(cfg: Config) -> dict:
           "(the deadline stops the loop in time whatever the estimate)")
   else:
     print(f"estimated step {step_s:.3g} s (a lower bound); no deadline set")
-  return report
+  return plan_report
 
 
 def table(rows: list[dict], n: int = 4):
@@ -140,7 +144,7 @@ def show_plot(path: pathlib.Path | None):
 def export(run, formats: tuple[str, ...] = ("orbax",)) -> pathlib.Path:
   """The run's latest checkpoint merged into the base as <run>/export-step-<N> (a Kaggle Flax
   folder: upload it as a Kaggle model, or load it with Tunix); kept if already written."""
-  from reasoner import export as export_lib
+  from reasoner import export as export_lib  # jax only once a cell exports
 
   out = run.path / f"export-step-{run.step}"
   if (out / "export.json").is_file():

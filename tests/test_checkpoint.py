@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reasoner.checkpoint import CheckpointDamaged, CheckpointError, Checkpointer
+from reasoner.engine.checkpoint import CheckpointDamaged, CheckpointError, Checkpointer
 
 
 def _tree(scale, width=4):

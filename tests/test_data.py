@@ -132,7 +132,7 @@ def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
 
 
 def test_arithmetic_worked_solutions_state_the_answer():
-  from reasoner import rewards
+  from reasoner.rewards import builtin as rewards
 
   train, _ = arithmetic.generate(50, 5, seed=0, difficulty="medium")
   for r in train:
@@ -141,7 +141,7 @@ def test_arithmetic_worked_solutions_state_the_answer():
 
 
 def test_gsm8k_solutions_become_responses():
-  from reasoner import rewards
+  from reasoner.rewards import builtin as rewards
 
   row = {"question": "Tom has 3 bags of 4 apples and eats 2. How many are left?",
          "answer": "He has 3*4=<<3*4=12>>12 apples.\nHe eats 2, so 12-2=<<12-2=10>>10 are left.\n"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from reasoner import heads, mesh as mesh_lib
+from reasoner import mesh as mesh_lib
+from reasoner.engine import heads
 from reasoner.config import MeshConfig, ModelConfig
 from reasoner.models import gemma, gguf
 from reasoner.models.cache import causal_mask, positions_from_mask

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, shard_fraction, tiny_config
-from reasoner import export, lora as lora_lib, mesh as mesh_lib
+from reasoner import export, mesh as mesh_lib
+from reasoner.engine import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
 from reasoner.models import gemma, gguf
@@ -75,7 +76,7 @@ def test_trained_tiny_run_exports_to_tunix_and_loads_back(tmp_path):
   meta = json.loads((out / "export.json").read_text())
   assert meta["step"] == 2 and meta["variant"] == "tiny"
 
-  from reasoner import run as run_lib
+  from reasoner.engine import checkpoint as run_lib
 
   setup = build(tiny_config(*run))
   trained, step = run_lib.restore_lora(setup)

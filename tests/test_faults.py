@@ -263,7 +263,7 @@ def test_a_run_in_use_by_another_process_is_refused_in_one_line(tmp_path):
   run.mkdir()
   holder = subprocess.Popen([sys.executable, "-c", (
       "import sys, time; sys.path.insert(0, %r); import pathlib\n"
-      "from reasoner import session\n"
+      "from reasoner.engine import session\n"
       "session.claim(pathlib.Path(%r)); print('held', flush=True); time.sleep(120)")
       % (str(ROOT), str(run))], stdout=subprocess.PIPE, text=True)
   try:
@@ -279,7 +279,7 @@ def test_a_run_in_use_by_another_process_is_refused_in_one_line(tmp_path):
   finally:
     holder.kill()
     holder.wait()
-  from reasoner import session  # the kernel dropped the killed holder's lock
+  from reasoner.engine import session  # the kernel dropped the killed holder's lock
 
   session.claim(run)
   session.claim(run)  # again in the same process (a notebook cell run twice): a no-op

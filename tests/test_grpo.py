@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reasoner import grpo
+from reasoner.objectives import grpo
 
 
 def test_group_advantages_by_hand():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from reasoner import grpo, heads
+from reasoner.engine import heads
+from reasoner.objectives import grpo
 
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_config
-from reasoner import heads, lora as lora_lib
+from reasoner.engine import heads, lora as lora_lib
 from reasoner.build import build
 from reasoner.config import ConfigError
-from reasoner.judge import Judge
+from reasoner.rewards.judge import Judge
 from reasoner.models.cache import causal_mask, positions_from_mask
 
 RUBRIC = "Rate 1-5.\nQ: {question}\nA: {response}\nRef: {reference}\nGrade (1, 2, 3, 4, 5): "
@@ -109,7 +109,7 @@ def test_bad_judge_settings_fail_in_one_line():
 def test_the_planner_plans_the_judge_on_its_own_chips():
   """`plan` compiles one judge batch on the judge's four chips, the policy's steps on the
   other four, and counts the judge's batches in the GRPO step's estimate."""
-  from reasoner import plan
+  from reasoner.planner import plan, report as report_lib
 
   own = "judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
   report = plan.plan(tiny_config(*MIXED, own, "judge.devices=4", "judge.max_tokens=128",
@@ -121,5 +121,5 @@ def test_the_planner_plans_the_judge_on_its_own_chips():
   weights = build(tiny_config(*MIXED, own.replace("judge.model=", "model="))).base
   full = sum(x.nbytes for x in jax.tree.leaves(weights))
   assert full / 8 < judge.arguments < full / 2  # its weights split over its own four chips
-  text = plan.format_report(report)
+  text = report_lib.format_report(report)
   assert "(on 4 chips of its own; 1 batch a step)" in text and "judge + train" in text

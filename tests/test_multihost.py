@@ -108,7 +108,7 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
 
   from reasoner import loop
   from reasoner.config import load_config
-  from reasoner.trainer import Trainer
+  from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
   losses, states = [], []
   step = Trainer.train_step

@@ -1,7 +1,10 @@
 """The planner: loop bodies counted once per trip, the search, and plans of the tiny config."""
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, tiny_config
-from reasoner import hlo, mesh as mesh_lib, plan
+from reasoner import mesh as mesh_lib
+from reasoner.planner import chips, hlo, layout as layout_lib, plan, report as report_lib
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -90,8 +94,8 @@ def test_collectives_of_a_sharded_loop_are_counted_once_per_trip_as_in_the_hlo()
   body = comps[re.search(r"body=%?([\w.\-]+)", loop.attrs).group(1)]
   assert sum(op.op == "all-reduce" for op in body.values()) == 1
   assert re.search(r'"known_trip_count":\{"n":"5"', loop.attrs)
-  chip = plan.CHIPS["v5e"]  # 2 ring steps of 1 us and 1 KiB over a 90 GB/s link
-  assert plan.collective_seconds(hlo.Collective("all-reduce", 2, 1024), chip) == pytest.approx(
+  chip = chips.CHIPS["v5e"]  # 2 ring steps of 1 us and 1 KiB over a 90 GB/s link
+  assert chips.collective_seconds(hlo.Collective("all-reduce", 2, 1024), chip) == pytest.approx(
       2e-6 + 1024 / 9e10)
 
 
@@ -138,15 +142,15 @@ def test_search_finds_the_largest_fitting_batch_in_few_compiles():
 
   def measure(u):  # memory 1 + 0.3 u GiB, limit 16 GiB -> 50 fits, 51 does not
     calls.append(u)
-    total = int((1 + 0.3 * u) * plan.GiB)
-    return plan.StepPlan("train", u, u, temporaries=total, fits=total <= 16 * plan.GiB)
+    total = int((1 + 0.3 * u) * chips.GiB)
+    return plan.StepPlan("train", u, u, temporaries=total, fits=total <= 16 * chips.GiB)
 
-  tried = plan.largest_fitting(measure, 4, 1, 16 * plan.GiB, cap=4096, budget=8)
+  tried = plan.largest_fitting(measure, 4, 1, 16 * chips.GiB, cap=4096, budget=8)
   assert max(u for u, r in tried.items() if r.fits) == 50
   assert 51 in tried and not tried[51].fits and len(calls) <= 5
   # Starting above the limit: halve to a fit, then bisect (not step down one at a time).
   calls.clear()
-  tried = plan.largest_fitting(measure, 256, 1, 16 * plan.GiB, cap=4096, budget=8)
+  tried = plan.largest_fitting(measure, 256, 1, 16 * chips.GiB, cap=4096, budget=8)
   assert max(u for u, r in tried.items() if r.fits) == 50 and len(calls) <= 8
 
 
@@ -158,7 +162,7 @@ def test_analytic_plan_of_the_tiny_config():
     r = report[what]
     assert r.total > 0 and r.flops > 0 and r.fits
     assert report["largest"][what].prompts >= r.prompts
-  assert "analytic" in plan.format_report(report)
+  assert "analytic" in report_lib.format_report(report)
 
 
 def test_a_quantised_base_is_planned_with_fewer_bytes():
@@ -180,7 +184,7 @@ def test_compiled_plan_of_the_tiny_config_on_this_host():
   assert rollout.flops > 1.2 * rollout.xla_flops  # 32 decode steps, XLA counts one
   # The sampler's KV-cache estimate is printed beside the compiled figure and fits inside it.
   assert 0 < rollout.kv_cache <= rollout.temporaries
-  assert "KV cache" in plan.format_report(report)
+  assert "KV cache" in report_lib.format_report(report)
 
 
 @pytest.mark.parametrize("remat", ["block", "decoder"])
@@ -198,7 +202,7 @@ def test_compiled_plan_of_the_tiny_config_for_v5e():
   report = plan.plan(tiny_config("data.max_prompt_tokens=64", "rollout.max_new_tokens=32"),
                      "v5e:2x4", search=False)
   assert "libtpu" in report["method"]
-  assert report["train"].fits and 0 < report["train"].total < plan.GiB
+  assert report["train"].fits and 0 < report["train"].total < chips.GiB
   assert report["rollout_train"].flops > 1.2 * report["rollout_train"].xla_flops  # 32 steps
   # auto decodes with the whole tiny model on each chip: one collective a token (whether all
   # rows are done), where the training layout takes dozens.
@@ -206,29 +210,30 @@ def test_compiled_plan_of_the_tiny_config_for_v5e():
   assert decode.layout == "replicated" and decode.token.num_collectives == 1
   assert train_layout.token.num_collectives > 20
   assert decode.seconds(report["chip"]) < 0.4 * train_layout.seconds(report["chip"])
-  assert "steps in a 9-hour session" in plan.format_report(report)
+  assert "steps in a 9-hour session" in report_lib.format_report(report)
 
 
 def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip():
   from reasoner.build import build
 
   setup = build(tiny_config(), abstract=True)
-  weights = plan._nbytes(setup.base)
-  chip = plan.CHIPS["v5e"]
-  assert plan.decode_layout(setup) == "train"  # XLA:CPU: no memory figure, no copies
-  assert plan.decode_layout(setup, 4 * weights, chip) == "replicated"  # no collective at all
+  weights = layout_lib._nbytes(setup.base)
+  chip = chips.CHIPS["v5e"]
+  assert layout_lib.decode_layout(setup) == "train"  # XLA:CPU: no memory figure, no copies
+  assert layout_lib.decode_layout(setup, 4 * weights, chip) == "replicated"  # no collective at all
   # tp8's copy, the smallest: 1/8 of the weights, the attention's whole (one KV head: over rows)
-  eighth = plan.copy_bytes(setup, setup.base, 8)
-  attention = plan._nbytes(setup.base, mesh_lib.in_attention)
-  assert eighth == (weights - attention) / 8 + attention < plan.copy_bytes(setup, setup.base, 4)
-  assert plan.decode_layout(setup, 4 * eighth + 8, chip) == "tp8"  # only tp8's copy fits
-  assert plan.decode_layout(setup, 1, chip) == "train"  # no copy fits
-  est = {k: plan.decode_estimate(setup, k, chip) for k in (1, 2, 8)}
+  eighth = layout_lib.copy_bytes(setup, setup.base, 8)
+  attention = layout_lib._nbytes(setup.base, mesh_lib.in_attention)
+  assert eighth == (weights - attention) / 8 + attention < layout_lib.copy_bytes(setup,
+                                                                                setup.base, 4)
+  assert layout_lib.decode_layout(setup, 4 * eighth + 8, chip) == "tp8"  # only tp8's copy fits
+  assert layout_lib.decode_layout(setup, 1, chip) == "train"  # no copy fits
+  est = {k: layout_lib.decode_estimate(setup, k, chip) for k in (1, 2, 8)}
   assert est[1]["interconnect"] == 0 < est[2]["interconnect"] < est[8]["interconnect"]
-  lora = plan._nbytes(setup.lora)  # each chip reads its share of the weights, and its rows'
+  lora = layout_lib._nbytes(setup.lora)  # each chip reads its share of the weights, and its rows'
   for k in (1, 2, 8):  # KV cache, more of it the fewer chips the rows split over
     assert est[k]["HBM"] > (weights + lora) / k / chip.bandwidth
-  assert plan.decode_layout(build(tiny_config("rollout.layout=tp2"), abstract=True)) == "tp2"
+  assert layout_lib.decode_layout(build(tiny_config("rollout.layout=tp2"), abstract=True)) == "tp2"
 
 
 def test_attention_over_rows_keeps_two_collectives_a_layer():
@@ -240,7 +245,7 @@ def test_attention_over_rows_keeps_two_collectives_a_layer():
   from reasoner.models.cache import kv_cache_bytes
 
   setup = build(tiny_config("rollout.layout=tp4", "data.max_prompt_tokens=64"), abstract=True)
-  r = plan.rollout_plan(setup, 4, plan.CHIPS["v5e"])
+  r = plan.rollout_plan(setup, 4, chips.CHIPS["v5e"])
   layers, t = setup.spec.num_layers, setup.spec.tunix_config
   assert r.layout == "tp4" and 0 < r.token.num_collectives <= 2 * layers + 2
   assert max(c.bytes for c in r.token.collectives) < 16 * t.num_embed * 4 / 2  # [16, V] f32
@@ -262,6 +267,44 @@ def test_plan_command_line(capsys):
   assert cli.main(["plan", "--config", tiny, "--topology", "v9x"]) == 2
 
 
+# libtpu 0.0.42.1 starting on a CPU host (a compile-only plan), as printed on this machine
+LIBTPU_START = (
+    "Failed to find host bounds for accelerator type: WARNING: could not determine TPU "
+    "accelerator type, please set env var `TPU_ACCELERATOR_TYPE` manually, otherwise libtpu.so "
+    "may not properly initialize.\n"
+    "WARNING: Logging before InitGoogle() is written to STDERR\n"
+    "E0000 00:00:1795682730.595588    5835 common_lib.cc:554] INVALID_ARGUMENT: Error: "
+    "unexpected worker hostname 'WARNING: could not determine TPU worker hostnames or IP "
+    "addresses' from env var TPU_WORKER_HOSTNAMES. Expecting a valid hostname or IP address\n"
+    "=== Source Location Trace: === \n"
+    "learning/45eac/tfrc/runtime/libtpu_init_utils.cc:327\n")
+
+
+def test_libtpu_start_up_lines_are_dropped_and_real_errors_kept():
+  real = ("E0000 00:00:1.5 77 tpu_compiler.cc:10] INTERNAL: the compile failed\n"
+          "=== Source Location Trace: ===\nlearning/tpu_compiler.cc:12\n")
+  assert plan.quiet_lines(LIBTPU_START) == ""
+  assert plan.quiet_lines(LIBTPU_START + real + "done\n") == real + "done\n"
+  assert plan.quiet_lines(real + LIBTPU_START) == real
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the tpu extra)")
+def test_plan_command_prints_nothing_of_libtpus_start_up():
+  """`reasoner plan` in a fresh process (libtpu starts there): the plan on stdout, its own
+  progress lines on stderr, and none of what libtpu prints on a host without a TPU."""
+  out = subprocess.run([sys.executable, "-m", "reasoner", "plan", "--config",
+                        str(ROOT / "configs" / "tiny.yaml"), "--no-search",
+                        "data.max_prompt_tokens=64", "rollout.max_new_tokens=16"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "compiled ahead of time for v5e:2x4 (libtpu)" in out.stdout
+  assert "train step" in out.stderr  # the planner's own progress
+  for noise in ("Failed to find host bounds", "InitGoogle", "unexpected worker hostname",
+                "Source Location Trace"):
+    assert noise not in out.stderr + out.stdout
+
+
 def test_micro_batched_step_is_planned_with_every_pass_counted():
   """train.micro_batch: the step's FLOPs are the one-pass step's (the scan over micro-batches
   counted once per trip), and the row says how many passes."""
@@ -274,7 +317,7 @@ def test_micro_batched_step_is_planned_with_every_pass_counted():
   assert (micro.micro, one.micro) == (2, 4) and micro.fits
   assert 0.9 < micro.flops / one.flops < 1.1
   assert micro.xla_flops < 0.75 * one.xla_flops  # XLA alone would count one of the 2 passes
-  assert "in 2 micro-batches" in plan.format_report({**plan.plan(cfg, "cpu", search=False),
+  assert "in 2 micro-batches" in report_lib.format_report({**plan.plan(cfg, "cpu", search=False),
                                                      "tried": {}})
 
 
@@ -294,7 +337,7 @@ def test_planner_finds_the_micro_batch_that_fits():
   assert micro.fits and micro.prompts == 256 and 256 % micro.micro == 0
   assert micro.micro <= best.prompts < 2 * micro.micro  # the largest divisor of 256 that fits
   assert micro.flops == pytest.approx(report["train"].flops)
-  assert f"train.micro_batch={micro.micro}" in plan.format_report(report)
+  assert f"train.micro_batch={micro.micro}" in report_lib.format_report(report)
 
 
 def test_micro_batch_for_prefers_whole_rows_per_chip():

@@ -62,8 +62,8 @@ def test_logits_are_the_dense_models_with_dequantised_kernels(pair):
 
 
 def test_only_lora_trains_and_the_step_is_the_dense_objective(pair):
-  from reasoner import grpo
-  from reasoner.trainer import Trainer
+  from reasoner.objectives import grpo
+  from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
   _, q, f, dequantised = pair
   trainer = Trainer.for_run(q.graphdef, q.base, q.cfg)

@@ -4,7 +4,7 @@ import types
 import numpy as np
 import pytest
 
-from reasoner import rewards
+from reasoner.rewards import builtin as rewards, scoring
 from reasoner.config import ConfigError, RewardSpec
 
 
@@ -27,7 +27,7 @@ def test_correct_numbers_and_math_verify():
 
 
 def test_weighted_total_is_normalised():
-  r = rewards.Rewards([RewardSpec(fn="format_exact", weight=1.0),
+  r = scoring.Rewards([RewardSpec(fn="format_exact", weight=1.0),
                        RewardSpec(fn="correct", weight=3.0)])
   total, per = r(["p", "p"], [GOOD, "<reasoning>r</reasoning><answer>5</answer>"],
                  answer=["7", "7"])
@@ -40,14 +40,14 @@ def test_user_function_by_module_path_and_its_errors():
   mod.length = lambda prompts, completions, **kw: [min(1.0, len(c) / 10) for c in completions]
   mod.broken = lambda prompts, completions, **kw: 1 / 0
   sys.modules["my_rewards"] = mod
-  r = rewards.Rewards([RewardSpec(fn="my_rewards:length")])
+  r = scoring.Rewards([RewardSpec(fn="my_rewards:length")])
   np.testing.assert_allclose(r(["p"], ["12345"])[0], [0.5])
-  with pytest.raises(rewards.RewardError, match="'my_rewards:broken' raised ZeroDivisionError"):
-    rewards.Rewards([RewardSpec(fn="my_rewards:broken")])(["p"], ["c"])
+  with pytest.raises(scoring.RewardError, match="'my_rewards:broken' raised ZeroDivisionError"):
+    scoring.Rewards([RewardSpec(fn="my_rewards:broken")])(["p"], ["c"])
   with pytest.raises(ConfigError, match="has no function 'nope'"):
-    rewards.Rewards([RewardSpec(fn="my_rewards:nope")])
+    scoring.Rewards([RewardSpec(fn="my_rewards:nope")])
   with pytest.raises(ConfigError, match="cannot import module 'not_a_module_xyz'"):
-    rewards.Rewards([RewardSpec(fn="not_a_module_xyz:f")])
+    scoring.Rewards([RewardSpec(fn="not_a_module_xyz:f")])
 
 
 def test_a_reward_routed_by_category_reaches_only_its_rows():
@@ -64,7 +64,7 @@ def test_a_reward_routed_by_category_reaches_only_its_rows():
 
   mod.half, mod.one = record("half", 0.5), record("one", 1.0)
   sys.modules["routed_rewards"] = mod
-  r = rewards.Rewards([RewardSpec(fn="routed_rewards:half", weight=1.0, categories=("math",)),
+  r = scoring.Rewards([RewardSpec(fn="routed_rewards:half", weight=1.0, categories=("math",)),
                        RewardSpec(fn="routed_rewards:one", weight=3.0,
                                   categories=("math", "essay")),
                        RewardSpec(fn="format_exact", weight=4.0)])
@@ -79,7 +79,7 @@ def test_a_reward_routed_by_category_reaches_only_its_rows():
 
 
 def test_records_no_reward_scores_or_without_a_needed_answer_are_one_line():
-  r = rewards.Rewards([RewardSpec(fn="correct", categories=("math",)),
+  r = scoring.Rewards([RewardSpec(fn="correct", categories=("math",)),
                        RewardSpec(fn="repetition", categories=("poem",))])
   r.check([{"question": "q", "answer": "1", "category": "math"},
            {"question": "q", "answer": None, "category": "poem"}], "the training data")
@@ -87,11 +87,11 @@ def test_records_no_reward_scores_or_without_a_needed_answer_are_one_line():
                                         r"data, record 1\)"):
     r.check([{"answer": "1", "category": "math"}, {"answer": "x", "category": "essay"}],
             "the held-out data")
-  with pytest.raises(rewards.DataError, match=r"record 0 \(category 'math'\) has no reference "
+  with pytest.raises(scoring.DataError, match=r"record 0 \(category 'math'\) has no reference "
                                               r"answer .* which reward 'correct' needs"):
     r.check([{"answer": None, "category": "math"}], "the training data")
   with pytest.raises(ConfigError, match="appears twice for the same categories"):
-    rewards.Rewards([RewardSpec(fn="correct"), RewardSpec(fn="correct")])
+    scoring.Rewards([RewardSpec(fn="correct"), RewardSpec(fn="correct")])
   with pytest.raises(ConfigError, match="rewards\\[\\].categories"):
     RewardSpec(fn="correct", categories=())
 
@@ -104,7 +104,7 @@ def test_math_verify_answers_are_scored_by_the_rewards_as_by_correct():
   sys.modules["beside_rewards"] = mod
   comps = ["<reasoning>r</reasoning><answer>\\frac{1}{2}</answer>"]
   assert rewards.correct([], comps, answer=["0.5"]) == [1.0]
-  r = rewards.Rewards([RewardSpec(fn="correct"), RewardSpec(fn="beside_rewards:one")])
+  r = scoring.Rewards([RewardSpec(fn="correct"), RewardSpec(fn="beside_rewards:one")])
   assert r(["p"], comps, answer=["0.5"])[1]["correct"].tolist() == [1.0]
 
 
@@ -120,7 +120,7 @@ def test_slow_rewards_run_concurrently():
 
   mod.a = mod.b = slow
   sys.modules["slow_rewards"] = mod
-  r = rewards.Rewards([RewardSpec(fn="slow_rewards:a"), RewardSpec(fn="slow_rewards:b")])
+  r = scoring.Rewards([RewardSpec(fn="slow_rewards:a"), RewardSpec(fn="slow_rewards:b")])
   t = time.perf_counter()
   r(["p"], ["c"])
   assert 0.5 <= time.perf_counter() - t < 0.9
@@ -145,9 +145,10 @@ def test_routing_is_checked_against_the_data_before_any_model_loads():
   data = ("data.source=jsonl", f"data.path={ROOT / 'data' / 'mixed.jsonl'}", "data.num_eval=4")
   with pytest.raises(ConfigError, match="no reward scores category 'science' \\(the training"):
     build.check(tiny_config(*data, "rewards=[{fn: correct, categories: [math, code]}]"))
-  with pytest.raises(rewards.DataError, match="category 'creative'.*which reward 'relevance'"):
+  with pytest.raises(scoring.DataError, match="category 'creative'.*which reward 'relevance'"):
     build.check(tiny_config(*data, "rewards=[{fn: relevance}]"))
   routed = ("rewards=[{fn: correct, categories: [math, code]}, {fn: relevance, categories: "
             "[science, summarisation]}, {fn: repetition, categories: [creative]}]")
-  _, r, train, held_out, _ = build.check(tiny_config(*data, routed))
+  c = build.check(tiny_config(*data, routed))
+  r, train, held_out = c.rewards, c.train, c.held_out
   assert len(train) + len(held_out) == 10 and r.names == ["correct", "relevance", "repetition"]

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from reasoner import rewards as rewards_lib
+from reasoner.rewards import builtin as rewards_lib
 from reasoner.build import build
 from reasoner.config import GRPOConfig
-from reasoner.run import rollout
-from reasoner.sampler import Sampler
-from reasoner.trainer import Trainer
+from reasoner.objectives.grpo import rollout
+from reasoner.engine.sampler import Sampler
+from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
 B, G = 4, 4
 
@@ -126,7 +126,7 @@ def test_sampled_evaluation_reports_pass_at_k(setup, monkeypatch):
   """Correctness by the checksum parity of each completion (the tiny model answers nothing):
   pass@k from the counts each question got, as the estimator gives them."""
   from reasoner import evaluation
-  from reasoner.rewards import Rewards
+  from reasoner.rewards.scoring import Rewards
 
   counts = []
 
@@ -156,7 +156,7 @@ def test_named_eval_sets_are_evaluated_and_logged_under_their_names(tmp_path):
   import json
 
   from reasoner import evaluation
-  from reasoner.metrics import MetricsWriter
+  from reasoner.engine.metrics import MetricsWriter
 
   f = tmp_path / "mine.jsonl"
   f.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)})

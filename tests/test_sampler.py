@@ -9,13 +9,14 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from reasoner import heads, mesh as mesh_lib
+from reasoner import mesh as mesh_lib
+from reasoner.engine import heads
 from reasoner.build import build
 from reasoner.models import decode
 from reasoner.config import MeshConfig
 from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
-from reasoner.sampler import Sampler, SamplingConfig, next_token, sample_token
-from reasoner.trainer import Trainer, build_batch
+from reasoner.engine.sampler import Sampler, SamplingConfig, next_token, sample_token
+from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
 
 def _nonzero_lora(*overrides):
@@ -149,10 +150,8 @@ def test_sampled_logprobs_equal_trainer_logprobs(setup, temperature, logprobs, t
   comps, tok, mask = sampler.sample((setup.lora, setup.base), ["Q: 3 + 4?", "Q: 9?"],
                                     jax.random.PRNGKey(3), cfg, num_generations=4)
   assert comps.tokens.shape == (8, 7) and comps.stopped.sum() == 0  # cut at 7 tokens
-  b = build_batch(tok, mask, comps, np.zeros(8))
   lp = lambda lp: np.asarray(Trainer.for_run(setup.graphdef, setup.base, run(lp)).logprobs(
-      setup.lora, b["prompt"], b["prompt_valid"], b["completion"], b["completion_mask"])
-  )[comps.mask]
+      setup.lora, tok, mask, comps.tokens, comps.mask))[comps.mask]
   np.testing.assert_allclose(lp(logprobs), comps.logprobs[comps.mask], atol=2e-4)
   if temperature != 1.0:  # the tiny model's logits are near uniform: T moves them little
     assert np.abs(lp(other) - comps.logprobs[comps.mask]).mean() > 50 * 2e-4
@@ -236,7 +235,7 @@ def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
 
 
 def test_prompt_buckets_bound_the_compiles(setup):
-  from reasoner.sampler import bucket, default_buckets
+  from reasoner.engine.sampler import bucket, default_buckets
 
   assert default_buckets(640) == (64, 128, 256, 512, 640)
   assert default_buckets(64) == (64,)
@@ -316,7 +315,7 @@ def test_building_the_sampler_leaves_the_train_steps_remat():
   """The sampler's graphdef without remat is a copy: the model the train step is traced from
   still recomputes, so `plan` (which builds the sampler's graphdef first, as a run does) counts
   more train FLOPs for block and decoder remat than for none."""
-  from reasoner import plan
+  from reasoner.planner import plan
 
   s = _nonzero_lora("model.remat=block")
   before = repr(s.graphdef)

@@ -15,7 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import ROOT, tiny_config
-from reasoner import loop, session
+from reasoner import loop
+from reasoner.engine import session
 from reasoner.config import ConfigError
 
 TIMING = {"step_time_s", "tokens_per_s", "rollout_s", "rollout_tokens_per_s", "reward_s"}

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, tiny_config
-from reasoner import mesh as mesh_lib, sft
+from reasoner import mesh as mesh_lib
+from reasoner.objectives import sft
 from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.errors import DataError
@@ -22,7 +23,7 @@ from test_train import dense_completion_logprobs
 
 @pytest.fixture(scope="module")
 def setup():
-  return build(tiny_config("train.batch_size=4"), sft=True)
+  return build(tiny_config("train.batch_size=4"), check_records=sft.check)
 
 
 def _batch(setup, seed=0, rows=4, p=7, n=6):

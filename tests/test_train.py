@@ -10,9 +10,9 @@ from conftest import shard_fraction, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.build import build
 from reasoner.models.prompt import completion_hidden, prompt_copies
-from reasoner.run import rollout
-from reasoner.sampler import Sampler
-from reasoner.trainer import Trainer
+from reasoner.objectives.grpo import rollout
+from reasoner.engine.sampler import Sampler
+from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
                               temperature=1.0):
   """Reference: every row's whole sequence through the model (Tunix's attention, left to
   autodiff), full [R, T, V] log-softmax of the logits / temperature."""
-  from reasoner import heads
+  from reasoner.engine import heads
   from reasoner.models.cache import causal_mask, positions_from_mask
 
   g = completion.shape[0] // prompt.shape[0]
@@ -81,7 +81,7 @@ def test_shared_prompt_logprobs_and_grads_match_dense(request, window, layers):
   import dataclasses
 
   from reasoner.models.gemma import _sliding
-  from reasoner.trainer import completion_logprobs
+  from reasoner.engine.trainer import completion_logprobs
 
   setup = request.getfixturevalue("setup" if layers == 2 else "setup6")
   # The layers that take the windowed mask: Gemma 3's pattern, five sliding-window, one global.
@@ -122,7 +122,7 @@ def test_shared_prompt_logprobs_and_grads_match_dense(request, window, layers):
 
 def random_batch(setup, prompts: int, g: int, seed: int = 0):
   """A training batch of random tokens: ragged prompts and completions, distinct advantages."""
-  from reasoner.trainer import Batch
+  from reasoner.objectives.grpo import Batch
 
   rng = np.random.default_rng(seed)
   p, n, rows = 6, 5, prompts * g
@@ -145,7 +145,7 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
   log-probs as one pass over the 4-prompt batch (the loss normalisation is the whole batch's)."""
   import dataclasses
 
-  from reasoner import grpo
+  from reasoner.objectives import grpo
 
   cfg = setup.cfg
   batch = random_batch(setup, prompts=4, g=4)
@@ -194,7 +194,7 @@ def test_micro_batches_give_the_one_pass_step(setup, agg):
 def test_step_loss_and_metrics_equal_the_dense_objective(setup, overrides):
   """The train step's loss and metrics against `grpo.policy_loss` over log-probs from a dense
   forward of the whole sequences (the logits / T of the configured temperature)."""
-  from reasoner import grpo
+  from reasoner.objectives import grpo
 
   cfg = tiny_config("rollout.num_generations=4", "train.batch_size=4", *overrides)
   batch = random_batch(setup, prompts=4, g=4, seed=3)

@@ -1,6 +1,6 @@
-"""Does a judge tell answers apart? The `judge` reward (reasoner/judge.py) grades each record of
-data/mixed.jsonl with its own response, with another question's and with junk; a useful judge
-grades the first well above the other two.
+"""Does a judge tell answers apart? The `judge` reward (reasoner/rewards/judge.py) grades each
+record of data/mixed.jsonl with its own response, with another question's and with junk; a
+useful judge grades the first well above the other two.
 
     .venv/bin/python tools/judge_check.py [dotted overrides, e.g. judge.model=...]
 """

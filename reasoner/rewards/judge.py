@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from reasoner import lora as lora_lib, mesh as mesh_lib
-from reasoner.config import JudgeConfig
+from reasoner import mesh as mesh_lib
+from reasoner.config import JudgeConfig, MeshConfig
+from reasoner.engine import lora as lora_lib
 from reasoner.errors import ConfigError
+from reasoner.models import load
 from reasoner.models.cache import causal_mask, positions_from_mask
 
 
@@ -70,11 +72,8 @@ class Judge:
   def own(cls, cfg: JudgeConfig, devices: list, seed: int) -> "Judge":
     """A judge of its own (`judge.model`) on `devices`, its weights loaded into their shards
     there (a mesh of its own: 'fsdp' over them)."""
-    from reasoner.build import load_model
-    from reasoner.config import MeshConfig
-
     mesh = mesh_lib.make_mesh(MeshConfig(), devices)
-    tokenizer, _, model = load_model(cfg.model, mesh, seed)
+    tokenizer, _, model = load.load_model(cfg.model, mesh, seed)
     graphdef, state = nnx.split(model)
     return cls(cfg, graphdef, (state,), tokenizer, mesh)
 
@@ -85,18 +84,14 @@ class Judge:
                setup.tokenizer, setup.mesh)
 
   @classmethod
-  def abstract(cls, setup, devices: list | None) -> "Judge":
-    """The run's judge with placed ShapeDtypeStructs for weights (nothing read), on the
-    planner's `devices`: what `plan` compiles."""
-    from reasoner.build import spec_without_checkpoint, split_devices
-    from reasoner.config import MeshConfig
-
-    cfg = setup.cfg.judge
-    own = split_devices(setup.cfg, devices)[1]
+  def abstract(cls, setup) -> "Judge":
+    """The run's judge with placed ShapeDtypeStructs for weights (nothing read), on its devices
+    of an abstract `setup` (`build(abstract=True)`): what `plan` compiles."""
+    cfg, own = setup.cfg.judge, setup.devices.judge
     if cfg.model is None:
       return cls(cfg, setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh)
     mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
-    tokenizer, spec = spec_without_checkpoint(cfg.model)
+    tokenizer, spec = load.spec_without_checkpoint(cfg.model)
     with jax.set_mesh(mesh):
       graphdef, state = nnx.split(nnx.eval_shape(
           lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))))

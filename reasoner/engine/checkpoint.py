@@ -17,7 +17,6 @@ iterator's JSON, which is the same on every process since all draw the same glob
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import pathlib
@@ -30,8 +29,11 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from tqdm import tqdm
 
-from reasoner.errors import CheckpointDamaged, CheckpointError
+from reasoner.errors import (CheckpointDamaged, CheckpointError, first_line, is_write_failure,
+                             root_cause, write_error)
+from reasoner.engine.trainer import Trainer, checkpoint_tree
 from reasoner.mesh import agreed
 
 
@@ -120,7 +122,7 @@ class Checkpointer:
     except Exception as e:  # orbax raises ValueError, OSError, XlaRuntimeError, ...
       # Only what the files did is damage; anything else (device memory, say) leaves it be.
       kind = CheckpointDamaged if _is_damage(e) else CheckpointError
-      raise kind(f"{self.directory / str(step)} cannot be read: {_first_line(e)}") from e
+      raise kind(f"{self.directory / str(step)} cannot be read: {first_line(e)}") from e
     return out["state"], out["data"]
 
   def restore_latest(self, target: Any, log=print) -> tuple[int, Any, dict] | None:
@@ -142,7 +144,7 @@ class Checkpointer:
       with _absl_errors_only():  # orbax warns when a step has no _CHECKPOINT_METADATA
         stored = ocp.StandardCheckpointer().metadata(path / "state").item_metadata
     except Exception as e:
-      raise CheckpointDamaged(f"{path} cannot be read: {_first_line(e)}") from e
+      raise CheckpointDamaged(f"{path} cannot be read: {first_line(e)}") from e
     if getattr(stored, "tree", None) is None:  # orbax logs why and returns nothing
       raise CheckpointDamaged(f"{path} cannot be read: its array metadata is unreadable")
     stored = stored.tree
@@ -210,67 +212,15 @@ def _absl_errors_only():
     log.setLevel(level)
 
 
-def write_error(e: BaseException, directory: pathlib.Path) -> str:
-  """What stopped a write, in words: the disk's space left, or the first line of the cause."""
-  free = shutil.disk_usage(_existing(directory)).free
-  root, text = _root(e), _first_line(e)
-  if getattr(root, "errno", None) == errno.ENOSPC or "No space left" in text or (
-      "RESOURCE_EXHAUSTED" in text):
-    return f"no space left on its disk ({_size(free)} free)"
-  if getattr(root, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM):
-    return f"not writable ({root.strerror})"
-  if isinstance(root, OSError) and root.strerror:
-    return root.strerror
-  return f"{text} ({_size(free)} free there)"
-
-
-def is_write_failure(e: BaseException) -> bool:
-  """Whether `e` came from the filesystem refusing a write (rather than from a bug)."""
-  root = _root(e)
-  return isinstance(root, OSError) or "RESOURCE_EXHAUSTED" in str(root) or (
-      "No space left" in str(root))
-
-
-def _existing(path: pathlib.Path) -> pathlib.Path:
-  while not path.exists() and path != path.parent:
-    path = path.parent
-  return path
-
-
-def _size(n: int) -> str:
-  for unit in ("bytes", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-    n /= 1024
-
-
 # tensorstore's status codes for a file that is short, missing or garbled; JSON that is not.
 _DAMAGE = re.compile(r"OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|Error opening|corrupt|"
                      r"checksum|Expecting value|Unterminated string|Extra data")
 
 
-def _root(e: BaseException) -> BaseException:
-  """The innermost cause (orbax wraps tensorstore's error, which names the file and what is
-  wrong with it, in one that names only the array)."""
-  while True:
-    inner = e.__cause__ if e.__cause__ is not None else (
-        None if e.__suppress_context__ else e.__context__)
-    if inner is None:
-      return e
-    e = inner
-
-
 def _is_damage(e: BaseException) -> bool:
-  root = _root(e)
+  root = root_cause(e)
   return isinstance(root, (FileNotFoundError, json.JSONDecodeError)) or bool(
       _DAMAGE.search(str(root)))
-
-
-def _first_line(e: BaseException) -> str:
-  e = _root(e)
-  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-  text = (lines[0] if lines else "").split(". Truncating/padding")[0]  # orbax's advice: not ours
-  return f"{type(e).__name__}: {text[:300]}"
 
 
 def find_checkpoints(root: str | pathlib.Path, key: str = "train.resume_from") -> pathlib.Path:
@@ -293,3 +243,26 @@ def find_checkpoints(root: str | pathlib.Path, key: str = "train.resume_from") -
                           "point it at one of them")
   raise CheckpointError(f"config key '{key}' = '{root}': no checkpoints in it; expected a run "
                         "directory holding checkpoints/<step>/")
+
+
+def restore_lora(setup, step: int | None = None):
+  """(LoRA weights, step) of the run's checkpoint at `step` (default: the newest that reads,
+  each unreadable one named on the way), read-only; (the initial LoRA, 0) when the run has no
+  checkpoint and no step was asked for."""
+  folder = setup.cfg.run_path / "checkpoints"
+  ckpt = Checkpointer(folder, 1, read_only=True) if folder.is_dir() else None
+  steps = ckpt.all_steps() if ckpt else []
+  if step is not None and step not in steps:
+    raise CheckpointError(f"step {step}: no such checkpoint in {folder} (it has "
+                          f"{', '.join(map(str, steps)) or 'none'})")
+  if not steps:
+    return setup.lora, 0
+  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
+  target = checkpoint_tree(trainer.init_state(setup.lora, jax.random.PRNGKey(0)))
+  if step is not None:
+    return ckpt.restore(step, target)[0]["lora"], step
+  found = ckpt.restore_latest(target, lambda line: tqdm.write(line) if jax.process_index() == 0
+                              else None)
+  if found is None:
+    raise CheckpointError(f"no checkpoint in {folder} can be read")
+  return found[1]["lora"], found[0]

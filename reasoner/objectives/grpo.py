@@ -1,4 +1,6 @@
-"""GRPO: group-normalised advantages and the clipped policy objective, as pure functions.
+"""GRPO: group-normalised advantages and the clipped policy objective as pure functions, then
+the stage: its batch, its train step (`GRPOTrainer`) and one step of the loop (`grpo_step`:
+rollout, rewards, advantages, the update).
 
 The variant: GRPO (Shao et al. 2024) with DAPO's asymmetric clipping (epsilon_low,
 epsilon_high), a KL estimator to the reference policy weighted by beta (beta = 0, the default,
@@ -35,9 +37,20 @@ masked as truncated, count in none):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from reasoner import mesh as mesh_lib
+from reasoner.config import Config
+from reasoner.data import sources
+from reasoner.engine import lora as lora_lib, rollout as rollout_lib
+from reasoner.engine.sampler import logprob_temperature
+from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
 
 LOSS_AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
                      "sequence-mean-token-sum-norm")
@@ -62,13 +75,6 @@ class Objective:
                kl=g.kl_estimator, sequence=g.importance_sampling == "sequence",
                on_policy=g.num_iterations == 1,
                sampler_is_cap=g.sampler_is_cap if g.sampler_is == "token" else None)
-
-
-def logprob_temperature(cfg) -> float:
-  """The T of softmax(z / T) whose log-probs GRPO takes (`grpo.logprobs`, from a
-  `config.Config`): `sampling`, the distribution the rollouts were drawn from
-  (`rollout.temperature`); `policy`, the policy itself (1)."""
-  return cfg.rollout.temperature if cfg.grpo.logprobs == "sampling" else 1.0
 
 
 def group_advantages(rewards: jax.Array, group_size: int, scale: bool = True,
@@ -201,3 +207,126 @@ def policy_loss(
   per_token = token_loss(logp, old_logp, ref, row(advantages), sampler, row(seq), obj=obj)
   metrics = policy_metrics(logp, old_logp, ref, advantages, mask, sampler, seq, obj=obj)
   return jnp.sum(token_weights(mask, loss_agg) * per_token), metrics
+
+
+# ------------------------------------------------------------------------------- the stage
+
+class Batch(NamedTuple):
+  prompt: jax.Array  # [B, P] left-padded prompts (each shared by its G rows)
+  prompt_valid: jax.Array  # [B, P]
+  completion: jax.Array  # [B * G, N] sampled tokens, rows grouped by prompt
+  completion_mask: jax.Array  # [B * G, N] tokens the loss sees
+  advantages: jax.Array  # [B * G]
+  old_logp: jax.Array  # [B * G, N] pi_old by the trainer (mu > 1; unused when mu == 1)
+  ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
+  sampler_logp: jax.Array  # [B * G, N] the sampler's log-probs of its tokens
+
+
+class GRPOTrainer(Trainer):
+  """`Trainer` with GRPO's objective (`token_loss`, aggregated by `token_weights`)."""
+
+  def __init__(self, graphdef, base, grpo, optim, **kw):
+    self.grpo, self.obj = grpo, Objective.from_config(grpo)
+    super().__init__(graphdef, base, optim, **kw)
+
+  @classmethod
+  def for_run(cls, graphdef, base, cfg: Config, **overrides) -> "GRPOTrainer":
+    """The run's trainer; `overrides` replace keyword settings (the planner's `micro_batch`)."""
+    kw = dict(schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
+              head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch,
+              temperature=logprob_temperature(cfg))
+    return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
+
+  def abstract_inputs(self, lora, prompts: int, g: int, prompt_len: int,
+                      new_tokens: int) -> tuple:
+    """(base, state, batch) of `step` as ShapeDtypeStructs placed as a run places them, for
+    `prompts` x `g` rows of `prompt_len` + `new_tokens` tokens."""
+    rows = prompts * g
+    s = lambda shape, dtype: mesh_lib.batch_struct(self.mesh, shape, dtype)
+    f = lambda: s((rows, new_tokens), jnp.float32)
+    batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
+                  s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
+                  s((rows,), jnp.float32), f(), f(), f())
+    return self.base, self.abstract_state(lora), batch
+
+  def _grads(self, base, lora, batch: Batch, weights: jax.Array, seq_log_ratio: jax.Array):
+    """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
+    hold the whole batch's loss normalisation (`token_weights`), so losses and gradients of
+    micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
+    row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
+    return self.token_loss_grads(
+        base, lora, *batch[:4], weights, functools.partial(token_loss, obj=self.obj),
+        (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
+         row(seq_log_ratio)))
+
+  def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    mask = batch.completion_mask
+    weights = token_weights(mask, self.grpo.loss_agg)  # the whole batch's
+    seq = jnp.zeros(batch.advantages.shape, jnp.float32)
+    if self.obj.sequence and not self.obj.on_policy:  # GSPO's row ratios need logp first
+      now = self._completion_logprobs(base, state.lora, *batch[:4])
+      seq = sequence_log_ratio(now, batch.old_logp, mask)
+    like = (jnp.zeros((), jnp.float32), state.lora)
+    (loss, grads), (logp, entropy) = self._in_micro_batches(
+        lambda params, micro: self._grads(*params, *micro), (base, state.lora),
+        (batch, weights, seq), like)
+    state, metrics = self.apply(state, loss, grads)
+    m = mask.astype(jnp.float32)
+    return state, {**metrics, "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
+                   **policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
+                                    mask, batch.sampler_logp, seq, obj=self.obj)}
+
+
+def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout) -> Batch:
+  """The rollout's groups with their advantages, placed on the mesh; pi_old from the trainer's
+  own forward (mu > 1) and the reference's log-probs (zeroed LoRA, beta > 0)."""
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  adv = np.asarray(group_advantages(jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
+                                    ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
+  host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"]}
+  batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
+  fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
+                                      batch["completion"], batch["completion_mask"])
+  if cfg.grpo.num_iterations > 1:
+    batch["old_logp"] = fwd(lora)
+  batch["ref_logp"] = (fwd(lora_lib.zeros_like(lora)) if cfg.grpo.beta > 0
+                       else jnp.zeros_like(batch["old_logp"]))
+  return Batch(**batch)
+
+
+def rollout(setup, sampler, trainer: GRPOTrainer, lora, records: list[dict], key: jax.Array,
+            draw=None) -> tuple[Batch, dict]:
+  """G completions per prompt of `records` sampled, scored and turned into the training batch
+  (`draw()`: more records, for dynamic sampling), and the rollout's metrics, with "tokens"
+  drawn and "samples" (a completion a group)."""
+  r = rollout_lib.draw(setup, sampler, lora, records, key, more=draw)
+  g = setup.cfg.rollout.num_generations
+  return batch_from_rollout(setup, trainer, lora, r), {
+      **rollout_lib.metrics(r), "tokens": rollout_lib.tokens(r, g),
+      "samples": rollout_lib.samples(r, g)}
+
+
+def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
+  """Rollout of the next batch of `data` (an iterator of record batches, drawn again by
+  dynamic sampling), then mu optimisation passes on it: (state, metrics)."""
+  t0 = time.perf_counter()
+  batch, metrics = rollout(setup, sampler, trainer, state.lora, next(data),
+                           jax.random.fold_in(state.key, step), draw=lambda: next(data))
+  for _ in range(setup.cfg.grpo.num_iterations):
+    state, step_metrics = trainer.train_step(state, batch)
+  step_metrics = jax.device_get(step_metrics)
+  check_finite(float(step_metrics["loss"]), step)
+  dt = time.perf_counter() - t0
+  tokens = metrics.pop("tokens")  # counted on the host: the batch spans every process
+  metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
+                 tokens_per_s=float(tokens / dt))
+  return state, metrics
+
+
+def _batches(setup, log=None):
+  """The records' batches: the grain pipeline over the training records (state checkpointed)."""
+  return sources.train_iterator(setup.train_records, setup.cfg.train.batch_size,
+                                setup.cfg.train.seed)
+
+
+STAGE = Stage("grpo", GRPOTrainer, _batches, grpo_step)

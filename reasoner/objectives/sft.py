@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the LoRA learns written responses (worked solutions, chat replies)
 before GRPO reinforces what it samples. `python -m reasoner sft` runs it in the same loop as
-GRPO (`reasoner.loop`: mesh, checkpoints, exact resume, deadline, metrics, held-out evaluation).
+GRPO (`reasoner.loop`, through `STAGE`: mesh, checkpoints, exact resume, deadline, metrics,
+held-out evaluation).
 
 An example is a record's prompt, rendered by `data.template` exactly as rollouts and evaluation
 render it, and its response followed by the end-of-turn (chat) or end-of-sequence token. The
@@ -21,12 +22,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from reasoner import mesh as mesh_lib
 from reasoner.data import prompts as prompts_lib
 from reasoner.errors import DataError
-from reasoner.trainer import Trainer, check_finite
+from reasoner.engine.trainer import Stage, Trainer, check_finite
 
 
 class SFTBatch(NamedTuple):
@@ -36,12 +36,13 @@ class SFTBatch(NamedTuple):
   response_mask: jax.Array  # [B, N] the tokens the loss sees
 
 
-def check(records: list[dict], where: str, field: str) -> None:
+def check(cfg, records: list[dict], where: str) -> None:
   """Every record has a response (before any model loads)."""
   missing = [i for i, r in enumerate(records) if not r.get("response")]
   if missing:
     raise DataError(f"sft: {len(missing)} of {len(records)} records of {where} have no response "
-                    f"(data.response_field = '{field}'; record {missing[0]} is the first)")
+                    f"(data.response_field = '{cfg.data.response_field}'; record {missing[0]} "
+                    "is the first)")
 
 
 def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_response: int,
@@ -155,16 +156,11 @@ def nll(logp: jax.Array) -> jax.Array:
 
 
 class SFTTrainer(Trainer):
-  """`Trainer` with the SFT loss: the same state, optimizer, micro-batches and placement."""
-
-  @classmethod
-  def for_run(cls, graphdef, base, cfg, **overrides) -> "SFTTrainer":
-    kw = dict(schedule_steps=cfg.train.steps, head_chunk=cfg.train.head_chunk,
-              micro_batch=cfg.train.micro_batch, temperature=1.0)
-    return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
+  """`Trainer` with the SFT loss (temperature-1 likelihood): the same state, optimizer,
+  micro-batches and placement."""
 
   def _sft_grads(self, base, lora, batch: SFTBatch, weights: jax.Array):
-    """((loss, LoRA gradients), log-probs): the likelihood's (temperature 1, `for_run`)."""
+    """((loss, LoRA gradients), log-probs) of one (micro-)batch."""
     (loss, grads), (logp, _) = self.token_loss_grads(base, lora, *batch, weights, nll, ())
     return (loss, grads), logp
 
@@ -174,12 +170,8 @@ class SFTTrainer(Trainer):
     (loss, grads), logp = self._in_micro_batches(
         lambda params, micro: self._sft_grads(*params, *micro), (base, state.lora),
         (batch, weights), (jnp.zeros((), jnp.float32), state.lora))
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": self.schedule(state.step),
-               "perplexity": jnp.exp(-jnp.sum(logp * weights))}
-    return state.replace(step=state.step + 1, lora=optax.apply_updates(state.lora, updates),
-                         opt_state=opt_state), metrics
+    state, metrics = self.apply(state, loss, grads)
+    return state, {**metrics, "perplexity": jnp.exp(-jnp.sum(logp * weights))}
 
 
 def sft_step(setup, trainer: SFTTrainer, state, data: Batches, step: int):
@@ -195,3 +187,10 @@ def sft_step(setup, trainer: SFTTrainer, state, data: Batches, step: int):
   cells = host["prompt"].size + host["response"].size
   return state, {**metrics, "response_tokens": int(host["response_mask"].sum()),
                  "padding": 1.0 - real / cells, "step_time_s": dt, "tokens_per_s": real / dt}
+
+
+def _step(setup, sampler, trainer: SFTTrainer, state, data: Batches, step: int):
+  return sft_step(setup, trainer, state, data, step)
+
+
+STAGE = Stage("sft", SFTTrainer, batches, _step, check)

@@ -1,19 +1,23 @@
-"""The GRPO train step: one pure jitted function over (state, batch), state donated.
+"""The train step every stage shares: one pure jitted function over (base, state, batch), state
+donated; a stage (`reasoner.objectives`) gives its loss in `_train_step`.
 
-    trainer = Trainer.for_run(graphdef, base, cfg)
+    trainer = GRPOTrainer.for_run(graphdef, base, cfg)  # a stage's Trainer
     state = trainer.init_state(lora, key)
     state, metrics = trainer.train_step(state, batch)  # trainer.step(base, state, batch)
 
 Only the LoRA parameters are in `state` and receive gradients; the base weights are a separate
 argument that is never donated or updated. With `train.micro_batch` the step accumulates the
 gradient over micro-batches of whole prompt groups in a `lax.scan` inside the same jitted
-function: the same update as one pass over the batch, with one micro-batch's memory.
+function: the same update as one pass over the batch, with one micro-batch's memory. A stage's
+loss is a weighted per-token function of the log-probs through the fused head
+(`token_loss_grads`); `logprobs` is the forward alone (a reference, an old policy, a teacher).
+The loop runs a stage through its `Stage`: the trainer, its batches and one step.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, Callable
 
 import flax
 import jax
@@ -22,9 +26,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reasoner import grpo as grpo_lib, heads
 from reasoner import mesh as mesh_lib
-from reasoner.config import Config, GRPOConfig, OptimConfig
+from reasoner.config import Config, OptimConfig
+from reasoner.engine import heads
 from reasoner.models.prompt import completion_hidden
 
 
@@ -34,17 +38,6 @@ class TrainState:
   lora: Any  # nnx.State of nnx.LoRAParam
   opt_state: Any
   key: jax.Array  # uint32[2], the run's PRNG key
-
-
-class Batch(NamedTuple):
-  prompt: jax.Array  # [B, P] left-padded prompts (each shared by its G rows)
-  prompt_valid: jax.Array  # [B, P]
-  completion: jax.Array  # [B * G, N] sampled tokens, rows grouped by prompt
-  completion_mask: jax.Array  # [B * G, N] tokens the loss sees
-  advantages: jax.Array  # [B * G]
-  old_logp: jax.Array  # [B * G, N] pi_old by the trainer (mu > 1; unused when mu == 1)
-  ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
-  sampler_logp: jax.Array  # [B * G, N] the sampler's log-probs of its tokens
 
 
 def completion_logprobs(model, prompt, prompt_valid, completion, completion_mask, *,
@@ -73,16 +66,15 @@ def make_optimizer(o: OptimConfig, steps: int) -> tuple[optax.GradientTransforma
 
 
 class Trainer:
-  """Holds the fixed parts (graph, base weights, optimizer, loss settings); `step` is the pure
+  """Holds the fixed parts (graph, base weights, optimizer, head settings); `step` is the pure
   jitted train step over (base, state, batch), the one function training runs and the planner
-  compiles (from `abstract_inputs`)."""
+  compiles (from a stage's `abstract_inputs`). A stage subclasses it with its `_train_step`."""
 
-  def __init__(self, graphdef, base, grpo: GRPOConfig, optim: OptimConfig, *, schedule_steps: int,
+  def __init__(self, graphdef, base, optim: OptimConfig, *, schedule_steps: int,
                head_chunk: int | None = None, micro_batch: int | None = None,
                temperature: float = 1.0):
-    self.graphdef, self.base, self.grpo = graphdef, base, grpo
-    self.obj = grpo_lib.Objective.from_config(grpo)
-    # Log-probs of softmax(logits / temperature): the rollouts' sampling distribution.
+    self.graphdef, self.base = graphdef, base
+    # Log-probs of softmax(logits / temperature): GRPO's, the rollouts' sampling distribution.
     self.temperature = temperature
     self.head_chunk, self.micro_batch = head_chunk, micro_batch
     # The head chunks tokens per chip of this mesh (base may be abstract, as in `plan`).
@@ -98,10 +90,9 @@ class Trainer:
   @classmethod
   def for_run(cls, graphdef, base, cfg: Config, **overrides) -> "Trainer":
     """The run's trainer; `overrides` replace keyword settings (the planner's `micro_batch`)."""
-    kw = dict(schedule_steps=cfg.train.steps * cfg.grpo.num_iterations,
-              head_chunk=cfg.train.head_chunk, micro_batch=cfg.train.micro_batch,
-              temperature=grpo_lib.logprob_temperature(cfg))
-    return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
+    kw = dict(schedule_steps=cfg.train.steps, head_chunk=cfg.train.head_chunk,
+              micro_batch=cfg.train.micro_batch, temperature=1.0)
+    return cls(graphdef, base, cfg.optim, **{**kw, **overrides})
 
   def init_state(self, lora, key: jax.Array) -> TrainState:
     """Step, key and optimizer counters are replicated on the LoRA weights' mesh, so that a
@@ -110,14 +101,13 @@ class Trainer:
                        key=key)
     return mesh_lib.replicate_unplaced(state, jax.tree.leaves(lora)[0].sharding.mesh)
 
-  def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+  def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     return self.step(self.base, state, batch)
 
-  def abstract_inputs(self, lora, prompts: int, g: int, prompt_len: int,
-                      new_tokens: int) -> tuple:
-    """(base, state, batch) of `step` as ShapeDtypeStructs placed as a run places them, for
-    `prompts` x `g` rows: `lora` (abstract, sharded) fixes the state's and moments' layout."""
-    mesh, rep = self.mesh, mesh_lib.replicated(self.mesh)
+  def abstract_state(self, lora) -> TrainState:
+    """The state of `step` as ShapeDtypeStructs placed as a run places it: `lora` (abstract,
+    sharded) fixes the LoRA's and the moments' layout, the rest is replicated."""
+    rep = mesh_lib.replicated(self.mesh)
     lora_def = jax.tree.structure(lora)
 
     def place(sub):
@@ -128,15 +118,8 @@ class Trainer:
 
     opt = jax.tree.map(place, jax.eval_shape(self.tx.init, lora),
                        is_leaf=lambda x: jax.tree.structure(x) == lora_def)
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
-                       opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
-    rows = prompts * g
-    s = lambda shape, dtype: mesh_lib.batch_struct(mesh, shape, dtype)
-    batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
-                  s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
-                  s((rows,), jnp.float32), s((rows, new_tokens), jnp.float32),
-                  s((rows, new_tokens), jnp.float32), s((rows, new_tokens), jnp.float32))
-    return self.base, state, batch
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), lora=lora,
+                      opt_state=opt, key=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
 
   def logprobs(self, lora, prompt, prompt_valid, completion, completion_mask) -> jax.Array:
     """Forward only: [R, N] log-probs (old policy when mu > 1; zeroed LoRA: the reference)."""
@@ -157,16 +140,6 @@ class Trainer:
                                      temperature=self.temperature)[0]
 
     return self._in_micro_batches(fwd, (lora, base), tuple(batch), ())[1]
-
-  def _grads(self, base, lora, batch: Batch, weights: jax.Array, seq_log_ratio: jax.Array):
-    """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
-    hold the whole batch's loss normalisation (`grpo.token_weights`), so losses and gradients
-    of micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
-    row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
-    return self.token_loss_grads(
-        base, lora, *batch[:4], weights, functools.partial(grpo_lib.token_loss, obj=self.obj),
-        (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
-         row(seq_log_ratio)))
 
   def token_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
                        token_fn, token_args):
@@ -211,26 +184,17 @@ class Trainer:
     totals = jax.tree.map(lambda x, like: x.astype(like.dtype), totals, totals_like)
     return totals, jax.tree.map(lambda x: join_micro(x, b), rows)
 
-  def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    mask = batch.completion_mask
-    weights = grpo_lib.token_weights(mask, self.grpo.loss_agg)  # the whole batch's
-    seq = jnp.zeros(batch.advantages.shape, jnp.float32)
-    if self.obj.sequence and not self.obj.on_policy:  # GSPO's row ratios need logp first
-      now = self._completion_logprobs(base, state.lora, *batch[:4])
-      seq = grpo_lib.sequence_log_ratio(now, batch.old_logp, mask)
-    like = (jnp.zeros((), jnp.float32), state.lora)
-    (loss, grads), (logp, entropy) = self._in_micro_batches(
-        lambda params, micro: self._grads(*params, *micro), (base, state.lora),
-        (batch, weights, seq), like)
+  def _train_step(self, base, state: TrainState, batch) -> tuple[TrainState, dict]:
+    raise NotImplementedError("a stage's Trainer gives its loss (reasoner.objectives)")
+
+  def apply(self, state: TrainState, loss, grads) -> tuple[TrainState, dict]:
+    """The optimizer's update of `state` by the LoRA gradients `grads`: the new state, and the
+    metrics every stage logs (loss, gradient norm, learning rate)."""
     updates, opt_state = self.tx.update(grads, state.opt_state, state.lora)
-    lora = optax.apply_updates(state.lora, updates)
-    m = batch.completion_mask.astype(jnp.float32)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": self.schedule(state.step),
-               "entropy": jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
-               **grpo_lib.policy_metrics(logp, batch.old_logp, batch.ref_logp, batch.advantages,
-                                         mask, batch.sampler_logp, seq, obj=self.obj)}
-    return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), metrics
+               "learning_rate": self.schedule(state.step)}
+    return state.replace(step=state.step + 1, lora=optax.apply_updates(state.lora, updates),
+                         opt_state=opt_state), metrics
 
 
 def check_finite(loss: float, step: int) -> None:
@@ -264,16 +228,21 @@ def join_micro(x: jax.Array, prompts: int) -> jax.Array:
   return y.reshape(prompts * c, *x.shape[2:])
 
 
-def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completions,
-                advantages: np.ndarray) -> dict[str, np.ndarray]:
-  """Host arrays for `Batch` (without ref_logp; old_logp is the sampler's until the trainer's
-  own forward replaces it)."""
-  return {
-      "prompt": prompt_tokens.astype(np.int32),
-      "prompt_valid": prompt_mask,
-      "completion": completions.tokens.astype(np.int32),
-      "completion_mask": completions.mask,
-      "advantages": advantages.astype(np.float32),
-      "old_logp": completions.logprobs.astype(np.float32),
-      "sampler_logp": completions.logprobs.astype(np.float32),
-  }
+def checkpoint_tree(state: TrainState) -> dict:
+  """What a checkpoint holds of the state (`engine.checkpoint`)."""
+  return {"step": state.step, "lora": state.lora, "opt_state": state.opt_state, "key": state.key}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """A training stage as the loop (`reasoner.loop`) runs it."""
+
+  name: str  # the CLI command and run.json's stage: grpo, sft, ...
+  trainer: type  # its Trainer, built by `trainer.for_run(graphdef, base, cfg)`
+  # (setup, log or None) -> the batches: an iterator with get_state / set_state (checkpointed)
+  batches: Callable[..., Any]
+  # (setup, sampler, trainer, state, batches, step) -> (state, metrics); metrics may carry
+  # "samples" (rows for samples.jsonl) and "rollout_s" (an evaluation's time is estimated by it)
+  step: Callable[..., tuple]
+  # (cfg, records, where) -> None: the stage's rule for its records, before any model loads
+  check_records: Callable[..., None] | None = None

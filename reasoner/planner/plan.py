@@ -26,57 +26,30 @@ Without libtpu (or with `--analytic`) the figures are an analytic estimate, and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
+import sys
+import tempfile
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
-from reasoner.hlo import Collective, Cost, analyse
+from reasoner.build import build, judged
 from reasoner.config import Config, ConfigError, check_mesh
-from reasoner.models.prompt import prompt_layout
-
-GiB = 2**30
-SESSION = 9 * 3600  # seconds of a Kaggle TPU session
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  name: str
-  hbm: int  # bytes
-  flops: float  # peak bf16 FLOP/s
-  bandwidth: float  # HBM bytes/s
-  ici: float  # interconnect bytes/s of one link, both directions (a ring sends half each way)
-  hop: float = 1e-6  # seconds per step of a ring collective (latency)
-
-
-# HBM, FLOP/s and ICI link bandwidths: the chip tables of "How to Scale Your Model" (Austin et
-# al., 2025, jax-ml.github.io/scaling-book, "All About TPUs"), which take them from Google's
-# Cloud TPU pages: v5e 4.5e10 B/s one way a link (9e10 both ways), v5p and v6e 9e10, v4 4.5e10.
-# The ~1 us a hop is that book's order of magnitude for ICI latency: an assumption, which
-# matters only for small collectives, where it is the whole cost.
-CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 9e10),
-         "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1.8e11),
-         "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 1.8e11),
-         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9, 9e10)}
-
-
-def collective_seconds(c: Collective, chip: Chip) -> float:
-  """Latency + bandwidth time of one collective done as a ring over its group of n chips:
-  an all-reduce takes 2 (n - 1) steps and puts 2 (n - 1) / n of its bytes on each chip's links,
-  an all-gather, reduce-scatter or all-to-all n - 1 steps and (n - 1) / n, a permute one step
-  and its bytes."""
-  n = c.group
-  if n <= 1:
-    return 0.0
-  steps, wire = {"all-reduce": (2 * (n - 1), 2 * (n - 1) / n),
-                 "collective-permute": (1, 1.0)}.get(c.kind, (n - 1, (n - 1) / n))
-  return steps * chip.hop + wire * c.bytes / chip.ici
-
+from reasoner.engine import heads
+from reasoner.engine.sampler import Sampler, SamplingConfig
+from reasoner.models.cache import kv_cache_bytes
+from reasoner.models.load import spec_without_checkpoint
+from reasoner.objectives.grpo import GRPOTrainer
+from reasoner.planner.chips import CHIPS, Chip, collective_seconds
+from reasoner.planner.hlo import Cost, analyse
+from reasoner.planner.layout import decode_layout
+from reasoner.rewards.judge import Judge
 
 @dataclasses.dataclass
 class StepPlan:
@@ -156,10 +129,8 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
 def train_plan(setup, prompts: int, chip: Chip, micro: int | None = None) -> StepPlan:
   """The run's train step (`Trainer.step`) for `prompts` x G rows of `setup` (abstract), in
   micro-batches of `micro` prompts (None: one pass) whatever `train.micro_batch` says."""
-  from reasoner.trainer import Trainer
-
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg, micro_batch=micro)
+  trainer = GRPOTrainer.for_run(setup.graphdef, setup.base, cfg, micro_batch=micro)
   args = trainer.abstract_inputs(setup.lora, prompts, g, cfg.data.max_prompt_tokens,
                                  cfg.rollout.max_new_tokens)
   out = compile_plan(trainer.step, args, {}, "train", prompts, prompts * g, chip)
@@ -170,22 +141,18 @@ def train_plan(setup, prompts: int, chip: Chip, micro: int | None = None) -> Ste
 def reference_plan(setup, prompts: int, chip: Chip) -> StepPlan:
   """The forward-only log-probs of the rollout (`Trainer.logprobs`) that a run computes once a
   step for the reference (zeroed LoRA, grpo.beta > 0) and for the old policy (grpo.mu > 1)."""
-  from reasoner.trainer import Trainer
-
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  trainer = Trainer.for_run(setup.graphdef, setup.base, cfg)
+  trainer = GRPOTrainer.for_run(setup.graphdef, setup.base, cfg)
   base, _, batch = trainer.abstract_inputs(setup.lora, prompts, g, cfg.data.max_prompt_tokens,
                                            cfg.rollout.max_new_tokens)
   return compile_plan(trainer._logprobs, (base, setup.lora, *batch[:4]), {}, "logprobs",
                       prompts, prompts * g, chip)
 
 
-def judge_plan(setup, devices: list, chip: Chip) -> tuple[StepPlan, str]:
+def judge_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
   """One batch of the judge reward (`judge.batch_size` prompts of `judge.max_tokens` tokens) on
   its devices (the policy's, or its own `judge.devices`), and which they are."""
-  from reasoner.judge import Judge
-
-  judge = Judge.abstract(setup, devices)
+  judge = Judge.abstract(setup)
   n = judge.cfg.batch_size
   where = f"{judge.mesh.devices.size} chips" + (
       ", the policy's" if judge.mesh is setup.mesh else " of its own")
@@ -214,9 +181,6 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   """The run's rollout (`Sampler.generate`: prefill once per prompt, the decode loop) for
   `prompts` x G rows of `setup` (abstract), with the run's sampling config, decoding in
   `layout` (default: `rollout.layout`, auto resolved for `chip`)."""
-  from reasoner.models.cache import kv_cache_bytes
-  from reasoner.sampler import Sampler, SamplingConfig
-
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   sampler = Sampler.for_run(setup, layout or decode_layout(setup, chip.hbm, chip))
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
@@ -232,69 +196,6 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(args[0][-1]))
   return out
-
-
-# ---------------------------------------------------------------------- the decode layout
-
-def _nbytes(state, where: Callable[[Any], bool] = lambda path: True) -> int:
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-             for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if where(path))
-
-
-def _decode_mesh(setup, tp: int):  # (the decode mesh of `tp`, whether attention is over rows)
-  mesh = mesh_lib.decode_mesh(setup.mesh, "replicated" if tp == 1 else f"tp{tp}")
-  return mesh, setup.spec.family == "gemma3" and mesh_lib.attention_over_rows(
-      setup.spec.tunix_config.num_kv_heads, mesh)
-
-
-def copy_bytes(setup, state, tp: int) -> float:
-  """Bytes a chip holds of `state` in the decode layout of `tp` (`mesh.decode_shardings`):
-  1 / tp of each parameter, the attention's whole where attention runs over rows."""
-  whole = _nbytes(state, mesh_lib.in_attention) if _decode_mesh(setup, tp)[1] else 0
-  return (_nbytes(state) - whole) / tp + whole
-
-
-def decode_estimate(setup, tp: int, chip: Chip) -> dict[str, float]:
-  """Seconds of one decoded token (all rows) in the decode layout of `tp`, bound by HBM (the
-  chip's copy of the weights, its rows' KV cache) or by the interconnect (two collectives of
-  the rows' hidden states a layer over `tp` chips, and the head's top-k candidates)."""
-  from reasoner.models.cache import kv_cache_bytes
-
-  cfg, t, (mesh, over_rows) = setup.cfg, setup.spec.tunix_config, _decode_mesh(setup, tp)
-  g, prompts = cfg.rollout.num_generations, cfg.train.batch_size
-  c, extra = prompt_layout(mesh, prompts, g)
-  kv = kv_cache_bytes(t, prompts * c + extra, g // c, cfg.data.max_prompt_tokens,
-                      cfg.rollout.max_new_tokens, cfg.model.dtype, mesh,
-                      setup.spec.family == "gemma3", over_rows)
-  rows = -(-prompts * g // (setup.mesh.size // tp))  # a chip's rows
-  hidden = lambda kind: collective_seconds(Collective(kind, tp, rows * t.embed_dim * 4), chip)
-  topk = Collective("all-gather", tp, rows * tp * (cfg.rollout.top_k or 1) * 8)
-  weights = copy_bytes(setup, setup.base, tp) + copy_bytes(setup, setup.lora, tp)
-  attention = hidden("all-gather" if over_rows else "all-reduce")  # its output, a layer
-  return {"HBM": (weights + kv) / chip.bandwidth,
-          "interconnect": t.num_layers * (attention + hidden("all-reduce"))
-          + collective_seconds(topk, chip)}
-
-
-def decode_layout(setup, hbm: int | None = None, chip: Chip | None = None) -> str:
-  """`rollout.layout`, with 'auto' resolved: of the layouts whose copy of the base weights
-  (`copy_bytes`) takes at most a quarter of a chip's memory (`hbm`, else the device's), the
-  one whose decoded token `decode_estimate` finds fastest; 'train' on one device or where a
-  chip's memory is unknown (XLA:CPU: a copy per fake device would cost the host's memory)."""
-  layout, n = setup.cfg.rollout.layout, setup.mesh.size
-  if layout != "auto":
-    return layout
-  if hbm is None and n > 1:  # this process's own chip: another host's has no memory figure
-    local = [d for d in setup.mesh.devices.flat if d.process_index == jax.process_index()]
-    hbm = ((local[0].memory_stats() if local else None) or {}).get("bytes_limit")
-  if n == 1 or not hbm:
-    return "train"
-  chip = chip or CHIPS["v5e"]
-  fits = [k for k in range(1, n + 1) if n % k == 0 and copy_bytes(setup, setup.base, k) <= hbm / 4]
-  if not fits:
-    return "train"
-  best = min(fits, key=lambda k: max(decode_estimate(setup, k, chip).values()))
-  return "replicated" if best == 1 else f"tp{best}"
 
 
 # ---------------------------------------------------------------------------- the search
@@ -342,9 +243,6 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   """A rough per-chip estimate from the model's shapes, used when nothing can be compiled:
   sharded weights, replicated LoRA + AdamW, saved activations by remat setting, the chunked
   head's blocks, the KV cache; FLOPs 2 x weights x tokens (x2 backward, x1 more with remat)."""
-  from reasoner import heads
-  from reasoner.build import spec_without_checkpoint
-
   spec = spec_without_checkpoint(cfg.model)[1]
   t = spec.tunix_config
   d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
@@ -385,6 +283,49 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
 
 # ---------------------------------------------------------------------------------- a plan
 
+# What libtpu prints when it starts on a host without a TPU (a compile-only plan): expected
+# there, and read by users as a failure. Each pattern is one line; a trace ("=== Source Location
+# Trace: ===" and the paths under it) goes with the line before it.
+LIBTPU_NOISE = re.compile(
+    r"Failed to find host bounds for accelerator type: WARNING: could not determine TPU "
+    r"accelerator type|WARNING: Logging before InitGoogle\(\) is written to STDERR|"
+    r"[EW]\d{4} .*unexpected worker hostname 'WARNING: could not determine TPU worker")
+
+
+def quiet_lines(text: str) -> str:
+  """`text` without libtpu's start-up complaints on a host with no TPU (`LIBTPU_NOISE`, with
+  the traces under them); every other line, a real libtpu error's too, kept."""
+  kept, dropping = [], False
+  for line in text.splitlines(keepends=True):
+    trace = line.startswith("=== Source Location Trace") or (
+        dropping and re.match(r"\S+\.(cc|h):\d+\s*$", line))
+    dropping = bool(LIBTPU_NOISE.match(line)) or (dropping and bool(trace))
+    if not dropping:
+      kept.append(line)
+  return "".join(kept)
+
+
+@contextlib.contextmanager
+def libtpu_quiet():
+  """What is written to file descriptor 2 inside the block (libtpu logs there, beneath
+  Python) held, then written back through `quiet_lines`."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      held.seek(0)
+      text = quiet_lines(held.read().decode(errors="replace"))
+      if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip, str]:
   """(devices to compile for or None, the chip, how the figures are obtained)."""
   if topology == "cpu":
@@ -401,7 +342,8 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
 
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only; others may hold it
   try:
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    with libtpu_quiet():
+      devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
   except Exception as e:  # no libtpu, or an unknown shape
     return None, chip, (f"analytic estimate: could not compile for {topology} ({str(e)[:80]}); "
                         "install the tpu extra (pip install '.[tpu]') to compile")
@@ -410,12 +352,9 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
 
 def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: bool = False,
          log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-  """Per-chip plans of the configured train and rollout steps and (search) the largest train
-  micro-batch (prompts in one pass) and rollout batch (prompts, each x G rows) that fit the
-  chip's HBM; then the configured batch in the largest micro-batches that divide it, compiled,
-  where that differs from `train.micro_batch`."""
-  from reasoner.build import build, judged
-
+  """Per-chip plans of the configured train and rollout steps (and the log-prob forward, the
+  rollout on the training layout and the judge where the run has them) and, with `search`, the
+  largest train micro-batch and rollout batch that fit the chip (`_search`)."""
   devices, chip, method = target(topology, compile=not analytic)
   shape = topology.partition(":")[2]
   n_dev = (len(devices) if devices is not None else
@@ -425,6 +364,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   check_mesh(cfg, fsdp)
   g = cfg.rollout.num_generations
   if devices is None:
+    setup = None
     measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
@@ -442,18 +382,35 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
 
   b, micro = cfg.train.batch_size, cfg.train.micro_batch
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
-  if devices is not None:
-    if cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1:
-      log(f"  log-prob forward, {b} prompts x {g} ...")
-      report["logprobs"] = reference_plan(setup, b, chip)
-    if report["rollout"].layout != "train":
-      log(f"  rollout step on the training layout, {b} prompts x {g} ...")
-      report["rollout_train"] = rollout_plan(setup, b, chip, "train")
-    if judged(cfg):
-      log(f"  judge, {cfg.judge.batch_size} prompts of {cfg.judge.max_tokens} tokens ...")
-      report["judge"], report["judge_on"] = judge_plan(setup, devices, chip)
-  if not search:
-    return report
+  if setup is not None:
+    _beside(report, setup, chip, log)
+  if search:
+    _search(report, logged, fsdp)
+  return report
+
+
+def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None]) -> None:
+  """The programs a GRPO step runs beside its train step and rollout, compiled: the log-prob
+  forward (reference or old policy), the rollout on the training layout where another decodes,
+  and one judge batch."""
+  cfg, b, g = setup.cfg, setup.cfg.train.batch_size, setup.cfg.rollout.num_generations
+  if cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1:
+    log(f"  log-prob forward, {b} prompts x {g} ...")
+    report["logprobs"] = reference_plan(setup, b, chip)
+  if report["rollout"].layout != "train":
+    log(f"  rollout step on the training layout, {b} prompts x {g} ...")
+    report["rollout_train"] = rollout_plan(setup, b, chip, "train")
+  if judged(cfg):
+    log(f"  judge, {cfg.judge.batch_size} prompts of {cfg.judge.max_tokens} tokens ...")
+    report["judge"], report["judge_on"] = judge_plan(setup, chip)
+
+
+def _search(report: dict[str, Any], logged: Callable[..., StepPlan], fsdp: int) -> None:
+  """The largest train micro-batch (prompts in one pass) and rollout batch (prompts, each x G
+  rows) that fit the chip's HBM; then the configured batch in the largest micro-batches that
+  divide it, compiled, where that differs from `train.micro_batch`."""
+  cfg, chip = report["cfg"], report["chip"]
+  b, micro, g = cfg.train.batch_size, cfg.train.micro_batch, cfg.rollout.num_generations
   steps = {"train": fsdp // math.gcd(fsdp, g), "rollout": fsdp}  # prompts per increment
   for what, first in (("train", micro or b), ("rollout", b)):
     start = -(-first // steps[what]) * steps[what]
@@ -468,75 +425,3 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     m = micro_batch_for(b, best.prompts, g, fsdp)
     if m != (micro or b):
       report["micro"] = logged("train", b, m if m < b else None)
-  return report
-
-
-def _row(r: StepPlan, chip: Chip) -> str:
-  rows = f"x G = {r.rows:5d} rows" if r.what != "judge" else "prompts"
-  head = f"  {r.what:8s} {r.prompts:5d} {rows}" + (
-      f" in {r.prompts // r.micro} micro-batches:" if 0 < r.micro < r.prompts else ":")
-  if not r.fits and not r.total:
-    return f"{head} does not fit: {r.note}"
-  gib = lambda b: f"{b / GiB:6.2f}"
-  t = r.times(chip)
-  count = sum(r.collectives.values())
-  token = (f"; a decoded token: {r.token.num_collectives:.0f} collectives, "
-           f"{sum(c.bytes * n for c, n in r.token.collectives.items()) / 2**20:.2f} MiB"
-           if r.token is not None else "")
-  return (f"{head} args {gib(r.arguments)}  temp {gib(r.temporaries)}  out "
-          f"{gib(r.outputs - r.aliased)}  total {gib(r.total)} GiB of {chip.hbm / GiB:.0f} "
-          f"{'fits' if r.fits else 'DOES NOT FIT'}"
-          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it" if r.kv_cache else "")
-          + f"\n{'':11s}{r.flops / 1e12:.3g} TFLOP, {r.bytes / GiB:.3g} GiB HBM traffic, "
-          f"{count:.0f} collectives{token}\n{'':11s}est. {r.seconds(chip) * 1e3:.1f} ms, bound "
-          f"by {r.bound(chip)} (HBM {t['HBM'] * 1e3:.1f} ms, interconnect "
-          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms)")
-
-
-def format_report(report: dict[str, Any]) -> str:
-  chip, m = report["chip"], report["mesh"]
-  rollout = report["rollout"]
-  lines = [f"plan for {report['topology']} ({chip.name}: {chip.hbm / GiB:.0f} GiB HBM, "
-           f"{chip.flops / 1e12:.0f} TFLOP/s, {chip.bandwidth / 1e9:.0f} GB/s), mesh fsdp "
-           f"{m['fsdp']} x tp {m['tp']}; {report['method']}",
-           "per chip; every loop body counted once per trip; time = the bound that binds "
-           "(HBM bytes, collectives' latency + bandwidth, FLOPs), a lower bound",
-           "configured:", _row(report["train"], chip)]
-  if "logprobs" in report:
-    lines.append(_row(report["logprobs"], chip))
-  lines.append(_row(rollout, chip) + (f"  (decode layout {rollout.layout})" if rollout.layout
-                                       else ""))
-  if rollout.resident:
-    train = report["train"]
-    lines.append(f"{'':11s}beside training: the base's copy in the decode layout "
-                 f"{rollout.resident / GiB:.2f} GiB a chip; train step + copy "
-                 f"{(train.total + rollout.resident) / GiB:.2f} GiB, rollout + the train "
-                 f"step's arguments {(rollout.total + train.arguments) / GiB:.2f} GiB")
-  if "rollout_train" in report:
-    lines.append(_row(report["rollout_train"], chip) + "  (training layout)")
-  if "judge" in report:
-    j = report["judge"]
-    n = judge_batches(report)
-    lines.append(_row(j, chip) + f"  (on {report['judge_on']}; {n} batch{'es' * (n > 1)} a "
-                 "step)")
-  for what, tried in report["tried"].items():
-    best = report["largest"].get(what)
-    name = "train micro-batch (one pass)" if what == "train" else "rollout batch"
-    lines += [f"search ({what}):", *(_row(r, chip) for r in tried),
-              f"  largest {name} that fits: "
-              + (f"{best.prompts} prompts x G = {best.rows} rows" if best else "none")]
-  if "micro" in report:
-    r = report["micro"]
-    lines += [f"with train.micro_batch={r.micro if r.micro < r.prompts else 'null'} "
-              f"({r.prompts // r.micro} pass{'es' if r.micro < r.prompts else ''} per step):",
-              _row(r, chip)]
-  for key, name in (("rollout", f"decoding in the {rollout.layout or 'configured'} layout"),
-                    ("rollout_train", "decoding in the training layout")):
-    if key in report:
-      step = step_seconds(report, key)
-      lines.append(f"GRPO step ({name}): est. {step:.3g} s (rollout + "
-                   + ("log-prob forwards + " * ("logprobs" in report))
-                   + ("judge + " * ("judge" in report))
-                   + f"train): at most {int(SESSION // step) if step else 0} steps in a "
-                   f"{SESSION // 3600}-hour session")
-  return "\n".join(lines)

@@ -10,7 +10,7 @@ and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary 
 
 Returned log-probs are those of the distribution the tokens were drawn from,
 softmax(logits / temperature) over the whole vocabulary (top-k and top-p only narrow the
-draw), or at `logprob_temperature` where a run sets it (`grpo.logprob_temperature`, the rule
+draw), or at `logprob_temperature` where a run sets it (`grpo.logprobs`, the rule
 the trainer's log-probs follow too).
 """
 
@@ -28,17 +28,25 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from reasoner import grpo, heads
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
+from reasoner.engine import heads
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
 from reasoner.models.prompt import prefill, prompt_layout
+from reasoner.planner.layout import decode_layout
 
 if TYPE_CHECKING:
   from reasoner.build import Setup
 
 log = logging.getLogger("reasoner")
+
+
+def logprob_temperature(cfg) -> float:
+  """The T of softmax(z / T) whose log-probs the sampler returns and GRPO's trainer takes
+  (`grpo.logprobs`, from a `config.Config`): `sampling`, the distribution the rollouts were
+  drawn from (`rollout.temperature`); `policy`, the policy itself (1)."""
+  return cfg.rollout.temperature if cfg.grpo.logprobs == "sampling" else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +75,7 @@ class SamplingConfig:
         temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
         top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
         stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id,
-        logprob_temperature=1.0 if greedy else grpo.logprob_temperature(cfg))
+        logprob_temperature=1.0 if greedy else logprob_temperature(cfg))
 
 
 class Completions(NamedTuple):
@@ -168,21 +176,13 @@ class _Loop(NamedTuple):
   key: jax.Array
 
 
-def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
-             key: jax.Array, *, cfg: SamplingConfig, num_generations: int,
-             split_vocab: bool = False, over_rows: bool = False):
-  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
-  and [B*G] whether each row stopped (not cut at max_new_tokens).
-
-  B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
-  are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp';
-  `over_rows`: attention over each chip's own rows where they divide (`mesh.decode_rows`).
-  """
-  model = nnx.merge(graphdef, *states)
-  n, g, rows, emb = cfg.max_new_tokens, num_generations, prompt.shape[0] * num_generations, \
-      model.embedding()
-  split = mesh if split_vocab and emb.shape[0] % mesh.shape["tp"] == 0 else None
-  rep, shared = lambda x: jnp.repeat(x, g, axis=0), decode.shares_prompt(model)  # Gemma 3
+def _prefilled(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
+               over_rows: bool):
+  """The prompt through the model once: its last hidden state repeated to its G rows
+  [rows, D], the decode cache, and `forward(model, tok, step, cache) -> (hidden, cache)`, one
+  decode step of [rows] tokens, the step-th new one of each row."""
+  rows, shared = prompt.shape[0] * g, decode.shares_prompt(model)  # Gemma 3
+  rep = lambda x: jnp.repeat(x, g, axis=0)
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   axes = mesh_lib.decode_rows(mesh, rows, g, over_rows and shared)
   hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared, axes)
@@ -190,7 +190,6 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
   def forward(m, tok: jax.Array, step: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """[rows] tokens, the step-th new one of each row -> [rows, D] hidden states, cache."""
     pos = (prompt_len + step)[:, None]
     if shared:
       h, c = m.hidden_states(tok[:, None], pos, decode.Cache(prompt_kv, cache), prompt_mask,
@@ -201,8 +200,31 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
     h, c = m.hidden_states(tok[:, None], pos, cache, seen[:, None, :])
     return h[:, 0], c
 
+  hidden = rep(hidden)
+  if attention_mesh is not None:  # rows over 'fsdp', as each step leaves it; elsewhere XLA's
+    # choice (pinned so on the training layout, it gathered the 576 MiB embedding each token)
+    hidden = jax.lax.with_sharding_constraint(hidden, mesh_lib.batch_placement(mesh,
+                                                                               hidden.shape))
+  return hidden, cache, forward
+
+
+def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
+             key: jax.Array, *, cfg: SamplingConfig, num_generations: int,
+             split_vocab: bool = False, over_rows: bool = False):
+  """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
+  and [B*G] whether each row stopped (not cut at max_new_tokens).
+
+  B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
+  are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp'
+  (it divides: `Sampler` decides); `over_rows`: attention over each chip's own rows where
+  they divide (`mesh.decode_rows`).
+  """
+  model = nnx.merge(graphdef, *states)
+  n, rows, emb = cfg.max_new_tokens, prompt.shape[0] * num_generations, model.embedding()
+  split = mesh if split_vocab else None
+  hidden, cache, forward = _prefilled(model, mesh, prompt, prompt_mask, num_generations, n,
+                                      over_rows)
   stops = _stops(cfg)
-  width = stops[1].shape[1]
 
   def body(s: _Loop) -> _Loop:
     step_model = nnx.merge(graphdef, *states)  # modules of this trace level (qwix sets attrs)
@@ -224,15 +246,10 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   def cond(s: _Loop) -> jax.Array:
     return (s.step < n) & ~jnp.all(s.done)
 
-  hidden = rep(hidden)
-  if attention_mesh is not None:  # rows over 'fsdp', as each step leaves it; elsewhere XLA's
-    # choice (pinned so on the training layout, it gathered the 576 MiB embedding each token)
-    hidden = jax.lax.with_sharding_constraint(hidden, mesh_lib.batch_placement(mesh,
-                                                                               hidden.shape))
   init = _Loop(
       step=jnp.int32(0), tokens=jnp.full((rows, n), cfg.pad_id, jnp.int32),
       logps=jnp.zeros((rows, n), jnp.float32), valid=jnp.zeros((rows, n), bool),
-      done=jnp.zeros((rows,), bool), tail=jnp.full((rows, width), -1, jnp.int32),
+      done=jnp.zeros((rows,), bool), tail=jnp.full((rows, stops[1].shape[1]), -1, jnp.int32),
       hidden=hidden, cache=cache, key=key)
   out = jax.lax.while_loop(cond, body, init)
   return out.tokens, out.valid, out.logps, out.done
@@ -297,7 +314,10 @@ class Sampler:
     # attention over each chip's own rows where 'tp' cannot split the KV heads (Gemma 3 only)
     self.over_rows = split and decode.shares_prompt(model) and mesh_lib.attention_over_rows(
         model.config.num_kv_heads, self.mesh)
-    self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh, split_vocab=split,
+    # the head's vocabulary over 'tp' where it divides, as the embedding's decode rule splits it
+    self.split_vocab = split and mesh_lib.vocab_axis(self.mesh, model.config.num_embed) == "tp"
+    self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh,
+                                              split_vocab=self.split_vocab,
                                               over_rows=self.over_rows),
                             static_argnames=("cfg", "num_generations"))
     self.tokenizer = tokenizer
@@ -308,13 +328,12 @@ class Sampler:
                        f"max_prompt_tokens {max_prompt_tokens}")
     self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
     self._kept: list[tuple[object, object]] = []  # (state, its copy in the decode layout)
+    self._rules: dict = {}  # a state's tree structure -> its decode shardings (the LoRA's)
 
   @classmethod
   def for_run(cls, setup: "Setup", layout: str | None = None) -> "Sampler":
     """The run's sampler, decoding in `layout` (default `rollout.layout`, auto resolved by
-    `plan.decode_layout`), its base weights kept in that layout."""
-    from reasoner.plan import decode_layout
-
+    `planner.layout.decode_layout`), its base weights kept in that layout."""
     cfg = setup.cfg
     layout = layout or decode_layout(setup)
     if layout != "train":
@@ -341,7 +360,10 @@ class Sampler:
     out = []
     for s in states:
       kept = [copy for source, copy in self._kept if source is s]
-      out.append(kept[0] if kept else jax.device_put(s, self._shardings(s)))
+      if not kept:
+        tree = jax.tree.structure(s)
+        rules = self._rules.get(tree) or self._rules.setdefault(tree, self._shardings(s))
+      out.append(kept[0] if kept else jax.device_put(s, rules))
     return tuple(out)
 
   def abstract_inputs(self, states: tuple, prompts: int, g: int,

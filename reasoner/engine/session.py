@@ -18,6 +18,8 @@ import re
 import socket
 import time
 
+from reasoner.errors import ConfigError
+
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
@@ -126,8 +128,6 @@ def claim(run: pathlib.Path) -> None:
   terminals) never write one run's checkpoints and logs at once. An flock: the kernel drops it
   when the process ends, even by kill -9, so no stale lock outlives a crash. Claiming a run
   this process already holds (a notebook cell run again) is a no-op."""
-  from reasoner.config import ConfigError
-
   key = str(run.absolute())
   if key in _claimed:
     return

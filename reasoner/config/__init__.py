@@ -1,0 +1,111 @@
+"""Typed, frozen configuration loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config("configs/embedded.yaml", ["train.steps=5", "rollout.temperature=0.7"])
+
+Every section is a frozen dataclass. Loading checks each key and type and every section's own
+rules (``__post_init__``); a problem raises ``ConfigError`` naming the key, the value and what was
+expected, before any model is loaded. Rules that need the device count live in ``check_mesh``.
+Importing this package imports no jax (a bad config fails in a second).
+
+The sections, by who reads them (each importable from here):
+- `model.py`: model, mesh, lora (what is trained, on which devices);
+- `data.py`: data, eval (records, prompts, evaluation sets);
+- `loop.py`: train, optim (the loop and the optimizer);
+- `stages.py`: rollout, grpo, sft, rewards, judge (the training stages and their rewards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import yaml
+
+from reasoner.config import typed
+from reasoner.config.data import DataConfig, EvalConfig, EvalSet
+from reasoner.config.loop import OptimConfig, TrainConfig
+from reasoner.config.model import LoraConfig, MeshConfig, ModelConfig
+from reasoner.config.stages import (DEFAULT_RUBRIC, GRPOConfig, JudgeConfig, RewardSpec,
+                                    RolloutConfig, SFTConfig)
+from reasoner.config.typed import fail as _fail
+from reasoner.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "DEFAULT_RUBRIC", "DataConfig", "EvalConfig", "EvalSet",
+           "GRPOConfig", "JudgeConfig", "LoraConfig", "MeshConfig", "ModelConfig",
+           "OptimConfig", "RewardSpec", "RolloutConfig", "SFTConfig", "TrainConfig",
+           "check_mesh", "config_from_dict", "load_config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  lora: LoraConfig = LoraConfig()
+  data: DataConfig = DataConfig()
+  rewards: tuple[RewardSpec, ...] = (
+      RewardSpec(fn="format_exact", weight=0.2),
+      RewardSpec(fn="correct", weight=0.8),
+  )
+  rollout: RolloutConfig = RolloutConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainConfig = TrainConfig()
+  eval: EvalConfig = EvalConfig()
+  sft: SFTConfig = SFTConfig()
+  judge: JudgeConfig = JudgeConfig()
+
+  def __post_init__(self):
+    if not self.rewards:
+      _fail("rewards", [], "at least one reward function")
+    if sum(r.weight for r in self.rewards) <= 0:
+      _fail("rewards", [r.weight for r in self.rewards], "weights that sum to more than 0")
+    if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
+      _fail("grpo.overlong_buffer", self.grpo.overlong_buffer,
+            f"at most rollout.max_new_tokens = {self.rollout.max_new_tokens}")
+    buckets = self.rollout.prompt_buckets
+    if buckets is not None and buckets[-1] < self.data.max_prompt_tokens:
+      _fail("rollout.prompt_buckets", list(buckets),
+            f"a largest bucket of at least data.max_prompt_tokens = {self.data.max_prompt_tokens}")
+
+  @property
+  def run_path(self) -> pathlib.Path:
+    return pathlib.Path(self.train.run_dir) / self.train.run_name
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def check_mesh(cfg: Config, fsdp: int) -> None:
+  """Rules that need the resolved data-parallel size: batches must split evenly over it."""
+  rollout = cfg.train.batch_size * cfg.rollout.num_generations
+  if rollout % fsdp:
+    _fail("train.batch_size", cfg.train.batch_size,
+          f"a value for which batch_size * rollout.num_generations ({rollout}) is divisible by "
+          f"the data-parallel size mesh.fsdp = {fsdp}")
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+  return typed.build(Config, tree, "")
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> Config:
+  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides."""
+  tree: dict[str, Any] = {}
+  if path is not None:
+    p = pathlib.Path(path)
+    if not p.is_file():
+      raise ConfigError(f"config file '{p}' does not exist")
+    try:
+      tree = typed.parse_yaml(p.read_text()) or {}
+    except yaml.YAMLError as e:
+      raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+      raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+  for o in overrides:
+    typed.apply_override(tree, o)
+  try:
+    return config_from_dict(tree)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}" if path else str(e)) from None

@@ -1,0 +1,93 @@
+"""The loop's sections: steps, batch, checkpoints, the session's deadline; the optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from reasoner.config.typed import fail as _fail
+from reasoner.engine.session import parse_deadline
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+  """AdamW with linear warm-up and cosine decay, global-norm clipping."""
+
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0:
+      _fail("optim.learning_rate", self.learning_rate, "a positive number")
+    if self.warmup_steps < 0:
+      _fail("optim.warmup_steps", self.warmup_steps, "a non-negative integer")
+    if not 0 <= self.min_lr_ratio <= 1:
+      _fail("optim.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+    if self.max_grad_norm <= 0:
+      _fail("optim.max_grad_norm", self.max_grad_norm, "a positive number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """The loop: steps, batch, checkpoints, where the run lives."""
+
+  steps: int = 100
+  batch_size: int = 4  # prompts per step (global); the rollout batch is batch_size * G
+  seed: int = 0
+  run_dir: str = "runs"
+  run_name: str = "embedded"
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 2
+  eval_every: int = 0  # 0: evaluate only before and after training
+  eval_before: bool = True
+  num_log_samples: int = 3  # completions printed per eval
+  # Tokens per chip in each step of the vocabulary head's scan (reasoner/engine/heads.py); null: as
+  # many as keep one float32 [chunk, vocab] logits block at 256 MiB (256 for Gemma's 262,144),
+  # at most 512 / fsdp when the rows are split over fsdp (`heads.auto_chunk`).
+  head_chunk: int | None = None
+  # Prompts per micro-batch of the train step: the batch's gradient is accumulated over
+  # batch_size / micro_batch passes inside the one jitted step (exactly the full batch's
+  # gradient; memory of one micro-batch). null: the whole batch in one pass. `reasoner plan`
+  # finds the largest that fits a chip. Best with micro_batch x G a multiple of mesh.fsdp: a
+  # micro-batch that does not split over the chips is computed whole on each.
+  micro_batch: int | None = None
+  # When this session must end: a duration from the process start ('8h45m') or an ISO time. The
+  # loop stops before a step that would leave too little time for the final checkpoint,
+  # evaluation and export (timed in this run), saves, and exits 0 naming the command that
+  # continues. null: no deadline.
+  deadline: str | None = None
+  # Save also whenever this many minutes passed since the last save (a session killed from
+  # outside loses at most that much work). null: only every checkpoint_every steps.
+  checkpoint_minutes: float | None = None
+  # Start from the latest checkpoint of another run's directory (may be read-only, e.g. a
+  # previous Kaggle session's output under /kaggle/input); this run writes to run_dir/run_name.
+  # Once this run has checkpoints of its own, it resumes from those.
+  resume_from: str | None = None
+
+  def __post_init__(self):
+    if self.deadline is not None:
+      try:
+        parse_deadline(self.deadline)
+      except ValueError as e:
+        _fail("train.deadline", self.deadline, str(e))
+    if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
+      _fail("train.checkpoint_minutes", self.checkpoint_minutes, "a positive number or null")
+    for f in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, f) < 1:
+        _fail(f"train.{f}", getattr(self, f), "a positive integer")
+    if self.head_chunk is not None and self.head_chunk < 1:
+      _fail("train.head_chunk", self.head_chunk, "a positive integer or null (automatic)")
+    if self.micro_batch is not None and (self.micro_batch < 1
+                                         or self.batch_size % self.micro_batch):
+      _fail("train.micro_batch", self.micro_batch,
+            f"a divisor of train.batch_size ({self.batch_size}) or null (the whole batch)")
+    if self.eval_every < 0:
+      _fail("train.eval_every", self.eval_every, "a non-negative integer")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
+      _fail("train.run_name", self.run_name, "letters, digits, '.', '_' or '-'")
+

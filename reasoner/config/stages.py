@@ -1,0 +1,195 @@
+"""The training stages' sections: GRPO's rollouts and objective, SFT, the rewards and the
+judge. A new stage's section goes here."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Literal
+
+from reasoner.config.model import ModelConfig
+from reasoner.config.typed import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+  """One reward function: a built-in name or 'module:function', its weight, and the records'
+  categories it scores (null: every record; a row's reward is the weighted mean of those that
+  score it)."""
+
+  fn: str
+  weight: float = 1.0
+  categories: tuple[str, ...] | None = None
+
+  def __post_init__(self):
+    if self.weight < 0:
+      _fail("rewards[].weight", self.weight, "a non-negative number")
+    if self.categories is not None and (not self.categories or not all(self.categories)):
+      _fail("rewards[].categories", list(self.categories),
+            "a non-empty list of category names, or null for every record")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """Sampling of G completions per prompt."""
+
+  num_generations: int = 8  # G
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+  # Prompt widths the sampler pads to (one compile each); null: powers of two from 64 up to
+  # data.max_prompt_tokens, which is always the last bucket.
+  prompt_buckets: tuple[int, ...] | None = None
+  # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
+  # logits at a time instead of [rows, vocab]; null: one block (the faster on the CPU).
+  vocab_chunk: int | None = None
+  # Where decoding runs: train (the training mesh and placement), replicated (each chip the
+  # whole model and its own rows: no collective), tp<k> (weights split Megatron-style over k
+  # chips, rows over the rest), auto (the fastest layout whose weights take at most a quarter
+  # of a chip's memory; train where that is unknown, as on the CPU).
+  layout: str = "auto"
+
+  def __post_init__(self):
+    if not re.fullmatch(r"auto|train|replicated|tp[1-9]\d*", self.layout):
+      _fail("rollout.layout", self.layout, "auto, train, replicated or tp<k> (e.g. tp2)")
+    if self.vocab_chunk is not None and self.vocab_chunk < 1:
+      _fail("rollout.vocab_chunk", self.vocab_chunk, "a positive integer or null")
+    if self.prompt_buckets is not None and (
+        not self.prompt_buckets or any(b < 1 for b in self.prompt_buckets)
+        or list(self.prompt_buckets) != sorted(set(self.prompt_buckets))):
+      _fail("rollout.prompt_buckets", self.prompt_buckets,
+            "a strictly increasing list of positive token counts, or null")
+    if self.num_generations < 2:
+      _fail("rollout.num_generations", self.num_generations,
+            "at least 2 (GRPO compares completions within a group)")
+    if self.max_new_tokens < 1:
+      _fail("rollout.max_new_tokens", self.max_new_tokens, "a positive integer")
+    if self.temperature <= 0:
+      _fail("rollout.temperature", self.temperature, "a positive number for GRPO rollouts")
+    if self.top_k is not None and self.top_k < 1:
+      _fail("rollout.top_k", self.top_k, "a positive integer or null")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      _fail("rollout.top_p", self.top_p, "a number in (0, 1] or null")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+  """The objective (symbols as in the GRPO / DAPO / Dr. GRPO papers)."""
+
+  beta: float = 0.0  # KL coefficient; 0 skips the reference forward
+  epsilon_low: float = 0.2  # clip ratio below 1 - epsilon_low
+  epsilon_high: float = 0.28  # clip ratio above 1 + epsilon_high (DAPO clip-higher)
+  num_iterations: int = 1  # mu: optimisation passes per rollout batch
+  # Tunix's names and meanings (reasoner/objectives/grpo.py); token-mean is DAPO's.
+  loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
+                    "sequence-mean-token-sum-norm"] = "token-mean"
+  scale_rewards: bool = True  # divide advantages by the group std (False: Dr. GRPO)
+  # The group std as a population's (unit mean-square advantages whatever G) or a sample's
+  # (ddof 1, Tunix's and TRL's).
+  advantage_std: Literal["population", "sample"] = "population"
+  # token: GRPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio.
+  importance_sampling: Literal["token", "sequence"] = "token"
+  kl_estimator: Literal["k3", "k1"] = "k3"  # Tunix's low_var_kl and kl
+  # Log-probs (sampler's and trainer's) of the distribution rollouts draw from, softmax(z / T)
+  # with T = rollout.temperature (sampling: TRL's, Tunix's and verl's), or of the policy
+  # itself at temperature 1 (policy). With policy and T != 1 the gradient is taken for
+  # another distribution than the one that produced the samples.
+  logprobs: Literal["sampling", "policy"] = "sampling"
+  # Truncated importance sampling of the sampler: each token's loss times
+  # min(pi_old / pi_sampler, sampler_is_cap), for when their numerics drift.
+  sampler_is: Literal["off", "token"] = "off"
+  sampler_is_cap: float = 2.0
+  # A completion that hit rollout.max_new_tokens without stopping contributes no loss.
+  mask_truncated_completions: bool = False
+  # DAPO's soft overlong punishment, counted in tokens: 0 up to max_new_tokens - buffer, then
+  # falling linearly to -overlong_penalty at max_new_tokens, added to the reward. 0: off.
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
+  # DAPO's dynamic sampling: groups whose rewards are all equal (no gradient) are dropped and
+  # more prompts drawn, a batch of train.batch_size prompts at a time (one compiled shape), up
+  # to max_sample_batches batches; short of that, the step trains on the groups it has.
+  dynamic_sampling: bool = False
+  max_sample_batches: int = 4
+
+  def __post_init__(self):
+    if self.sampler_is_cap < 1:
+      _fail("grpo.sampler_is_cap", self.sampler_is_cap, "a number of at least 1")
+    if self.loss_agg == "sequence-mean-token-sum-norm":
+      warnings.warn("grpo.loss_agg 'sequence-mean-token-sum-norm' now means Tunix's (the token "
+                    "sum over the rows); until 2026-11-25 it meant the sum over rows x "
+                    "max_new_tokens (Dr. GRPO), which is now 'sequence-mean-token-scale'",
+                    UserWarning, stacklevel=2)
+    if self.beta < 0:
+      _fail("grpo.beta", self.beta, "a non-negative number")
+    if not 0 <= self.epsilon_low < 1:
+      _fail("grpo.epsilon_low", self.epsilon_low, "a number in [0, 1)")
+    if self.epsilon_high < 0:
+      _fail("grpo.epsilon_high", self.epsilon_high, "a non-negative number")
+    if self.num_iterations < 1:
+      _fail("grpo.num_iterations", self.num_iterations, "at least 1")
+    if self.overlong_buffer < 0:
+      _fail("grpo.overlong_buffer", self.overlong_buffer, "a non-negative number of tokens")
+    if self.overlong_penalty < 0:
+      _fail("grpo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+    if self.max_sample_batches < 1:
+      _fail("grpo.max_sample_batches", self.max_sample_batches, "at least 1")
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+  """`python -m reasoner sft`: the loss on response tokens; train, optim and eval as GRPO's."""
+
+  max_response_tokens: int = 256  # longer responses are dropped or refused, as data.overlong says
+  # Examples are sorted by length within windows of this many batches, and each batch is padded
+  # to its longest prompt and response rounded up to `bucket` tokens (few shapes to compile).
+  window: int = 32
+  bucket: int = 16
+
+  def __post_init__(self):
+    for f in ("max_response_tokens", "window", "bucket"):
+      if getattr(self, f) < 1:
+        _fail(f"sft.{f}", getattr(self, f), "a positive integer")
+
+
+DEFAULT_RUBRIC = (
+    "Grade a response to a question for the quality of its reasoning and of its answer, 1 "
+    "(poor), 2, 3, 4 or 5 (excellent). A reference answer, where given, is correct.\n\n"
+    "Question: {question}\nReference answer: {reference}\nResponse: {response}\n\n"
+    "Grade (1, 2, 3, 4 or 5): ")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeConfig:
+  """The `judge` reward (reasoner/rewards/judge.py): a model grades completions against
+  `rubric`."""
+
+  # null (self): the policy's base weights with the LoRA off, on its devices; or a model section
+  # of its own, e.g. {source: kaggle, name: gemma3-12b, kaggle_handle: ...}
+  model: ModelConfig | None = None
+  # null: on the policy's devices; N: the judge on the last N devices, loaded into their shards,
+  # and the policy on the others
+  devices: int | None = None
+  # {question}, {response} and {reference} are filled in; it ends where the grade is due
+  rubric: str = DEFAULT_RUBRIC
+  grades: tuple[str, ...] = ("1", "2", "3", "4", "5")  # worst to best, one token each
+  batch_size: int = 16
+  max_tokens: int = 1024  # of a rubric prompt, its end kept
+
+  def __post_init__(self):
+    if len(self.grades) < 2 or len(set(self.grades)) < len(self.grades):
+      _fail("judge.grades", list(self.grades), "two or more distinct grade tokens")
+    missing = [g for g in self.grades if g not in self.rubric]
+    if "{response}" not in self.rubric or missing:
+      short = self.rubric if len(self.rubric) <= 60 else self.rubric[:60] + "..."
+      _fail("judge.rubric", short, "a text with {response} that names "
+            f"every grade token (missing: {', '.join(missing) or '{response}'})")
+    for f in ("batch_size", "max_tokens"):
+      if getattr(self, f) < 1:
+        _fail(f"judge.{f}", getattr(self, f), "a positive integer")
+    if self.devices is not None and (self.devices < 1 or self.model is None):
+      _fail("judge.devices", self.devices, "null (the policy's devices), or a positive number "
+            "of devices for a judge.model of its own (self is the policy's own weights)")
+

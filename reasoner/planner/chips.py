@@ -1,0 +1,46 @@
+"""The chips a plan is made for (HBM, peak FLOP/s, HBM and interconnect bandwidths) and the
+latency + bandwidth ring model of a collective's time on them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from reasoner.planner.hlo import Collective
+
+GiB = 2**30
+SESSION = 9 * 3600  # seconds of a Kaggle TPU session
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  hbm: int  # bytes
+  flops: float  # peak bf16 FLOP/s
+  bandwidth: float  # HBM bytes/s
+  ici: float  # interconnect bytes/s of one link, both directions (a ring sends half each way)
+  hop: float = 1e-6  # seconds per step of a ring collective (latency)
+
+
+# HBM, FLOP/s and ICI link bandwidths: the chip tables of "How to Scale Your Model" (Austin et
+# al., 2025, jax-ml.github.io/scaling-book, "All About TPUs"), which take them from Google's
+# Cloud TPU pages: v5e 4.5e10 B/s one way a link (9e10 both ways), v5p and v6e 9e10, v4 4.5e10.
+# The ~1 us a hop is that book's order of magnitude for ICI latency: an assumption, which
+# matters only for small collectives, where it is the whole cost.
+CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 9e10),
+         "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1.8e11),
+         "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 1.8e11),
+         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9, 9e10)}
+
+
+def collective_seconds(c: Collective, chip: Chip) -> float:
+  """Latency + bandwidth time of one collective done as a ring over its group of n chips:
+  an all-reduce takes 2 (n - 1) steps and puts 2 (n - 1) / n of its bytes on each chip's links,
+  an all-gather, reduce-scatter or all-to-all n - 1 steps and (n - 1) / n, a permute one step
+  and its bytes."""
+  n = c.group
+  if n <= 1:
+    return 0.0
+  steps, wire = {"all-reduce": (2 * (n - 1), 2 * (n - 1) / n),
+                 "collective-permute": (1, 1.0)}.get(c.kind, (n - 1, (n - 1) / n))
+  return steps * chip.hop + wire * c.bytes / chip.ici
+
