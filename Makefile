@@ -9,7 +9,7 @@ BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
 
-.PHONY: setup train sft eval sample test bench notebook rehearse clean
+.PHONY: setup train sft prefer distill eval sample test bench notebook rehearse clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,22 @@ sft: $(STAMP)
 	$(PY) -m reasoner train --config configs/embedded.yaml lora.init_from=runs/embedded_sft \
 	  data.template=plain train.run_name=embedded_sft_grpo rollout.temperature=1.0 \
 	  grpo.dynamic_sampling=true grpo.max_sample_batches=2
+
+# Three stages on the medium arithmetic set: SFT, preference optimisation (SimPO on the policy's
+# own pairs: a right answer against a wrong one, configs/embedded_prefer.yaml), then GRPO.
+prefer: $(STAMP)
+	$(PY) -m reasoner sft --config configs/embedded_sft.yaml data.difficulty=medium \
+	  data.num_eval=256 train.run_name=medium_sft eval.batch_size=64 $(ARGS)
+	$(PY) -m reasoner prefer --config configs/embedded_prefer.yaml lora.init_from=runs/medium_sft $(ARGS)
+	$(PY) -m reasoner train --config configs/embedded.yaml lora.init_from=runs/medium_prefer \
+	  data.template=plain data.difficulty=medium data.num_eval=256 eval.batch_size=64 \
+	  train.run_name=medium_prefer_grpo train.eval_before=false rollout.temperature=1.0 \
+	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 $(ARGS)
+
+# On-policy distillation: a fresh LoRA on the plain prompt learns from `make sft`'s result.
+distill: $(STAMP)
+	test -d runs/embedded_sft_grpo/checkpoints || $(MAKE) sft
+	$(PY) -m reasoner distill --config configs/embedded_distill.yaml $(ARGS)
 
 eval: $(STAMP)
 	$(PY) -m reasoner eval --config $(CONFIG) $(ARGS)

@@ -29,9 +29,10 @@ def machine() -> dict[str, Any]:
           "device_kind": devices[0].device_kind, "jax": jax.__version__}
 
 
-def goal(name: str, value: float, target: float, at_most: bool = True) -> dict[str, Any]:
-  """One goal of the issue: met when value <= target (at_most) or value >= target."""
-  met = value <= target if at_most else value >= target
+def goal(name: str, value: float | None, target: float, at_most: bool = True) -> dict[str, Any]:
+  """One goal of the issue: met when value <= target (at_most) or value >= target; a value of
+  None (never reached) is not met."""
+  met = value is not None and (value <= target if at_most else value >= target)
   return {"name": name, "value": value, "target": target,
           "direction": "at_most" if at_most else "at_least", "met": bool(met)}
 

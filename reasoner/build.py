@@ -18,6 +18,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.data import prompts, sources
 from reasoner.engine import lora as lora_lib
+from reasoner.engine.teacher import Teacher
 from reasoner.models import gemma, load
 from reasoner.rewards.judge import Judge
 from reasoner.rewards.scoring import Rewards
@@ -27,11 +28,13 @@ log = logging.getLogger("reasoner")
 
 @dataclasses.dataclass(frozen=True)
 class Devices:
-  """The run's devices: the policy's, and those of a judge of its own (`judge.devices`, the
-  last N), or None where it shares the policy's."""
+  """The run's devices: the policy's, and those of a judge or a teacher of its own
+  (`judge.devices`, the last N; `distill.devices`, the N before them), or None where it shares
+  the policy's."""
 
   policy: list
   judge: list | None = None
+  teacher: list | None = None
 
 
 @dataclasses.dataclass
@@ -48,6 +51,10 @@ class Setup:
   spec: gemma.ModelSpec
   eval_sets: dict[str, list] = dataclasses.field(default_factory=dict)  # eval.sets by name
   devices: Devices | None = None
+  teacher: Teacher | None = None  # distillation's (`build(teacher=True)`)
+  # the LoRA the run started from (lora.init_from's; the loop sets it), or None: the
+  # reference policy of DPO and of GRPO's KL is the base under it
+  reference: object | None = None
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
@@ -66,12 +73,12 @@ class Checked:
 
 
 def check(cfg: Config, devices: list | None = None,
-          check_records: Callable[..., None] | None = None) -> Checked:
+          check_records: Callable[..., None] | None = None, teacher: bool = False) -> Checked:
   """Everything that can fail on bad input, before any weight is read: the devices and mesh, a
   Kaggle model's local layout or credentials and the network (seconds, nothing downloaded), the
   records against the rewards, and `check_records(cfg, records, where)` (a stage's own rule,
-  e.g. SFT's responses) on the training records."""
-  split = split_devices(cfg, devices)
+  e.g. SFT's responses) on the training records; `teacher`: the teacher's devices set apart."""
+  split = split_devices(cfg, devices, teacher)
   mesh = mesh_lib.make_mesh(cfg.mesh, split.policy)
   check_mesh(cfg, mesh.shape["fsdp"])
   rewards = Rewards(cfg.rewards)
@@ -89,13 +96,14 @@ def check(cfg: Config, devices: list | None = None,
 
 
 def build(cfg: Config, abstract: bool = False, devices: list | None = None,
-          check_records: Callable[..., None] | None = None) -> Setup:
+          check_records: Callable[..., None] | None = None, teacher: bool = False) -> Setup:
   """The run's `Setup`; `abstract`: its model as placed ShapeDtypeStructs and no records, on
   `devices` (default: this host's), e.g. a TPU topology's compile-only devices;
-  `check_records`: a stage's rule for its training records (`check`)."""
+  `check_records`: a stage's rule for its training records (`check`); `teacher`: with
+  distillation's teacher (`distill.*`), on its own devices or the policy's."""
   if abstract:
-    return _abstract(cfg, devices)
-  c = check(cfg, devices, check_records)
+    return _abstract(cfg, devices, teacher)
+  c = check(cfg, devices, check_records, teacher)
   tokenizer, spec, model = load.load_model(cfg.model, c.mesh, cfg.train.seed)
   d = cfg.data
   fit = lambda recs, split: prompts.within_limit(recs, split, d.template, tokenizer,
@@ -109,6 +117,8 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   if judged(cfg):
     c.rewards.bind("judge", Judge.for_run(setup) if c.devices.judge is None else Judge.own(
         cfg.judge, c.devices.judge, cfg.train.seed))
+  if teacher:
+    setup.teacher = Teacher.for_run(setup, c.devices.teacher)
   return setup
 
 
@@ -116,20 +126,30 @@ def judged(cfg: Config) -> bool:
   return any(s.fn == "judge" for s in cfg.rewards)
 
 
-def split_devices(cfg: Config, devices: list | None) -> Devices:
-  """The policy's devices and, with `judge.devices: N`, the judge's: the last N."""
+def taught(cfg: Config) -> bool:
+  """Whether the config names distillation's teacher."""
+  return cfg.distill.teacher is not None or cfg.distill.teacher_lora is not None
+
+
+def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> Devices:
+  """The policy's devices and, with `judge.devices: N`, the judge's: the last N; with a
+  `teacher` on `distill.devices: M`, the teacher's: the M before them."""
   devices = list(jax.devices() if devices is None else devices)
-  k = cfg.judge.devices if judged(cfg) else None
-  if not k:
-    return Devices(devices)
-  if k >= len(devices):
-    raise ConfigError(f"config key 'judge.devices' = {k}: this run has {len(devices)} devices, "
-                      f"and the policy needs at least one (at most {len(devices) - 1})")
-  return Devices(devices[:-k], devices[-k:])
+  j = (cfg.judge.devices or 0) if judged(cfg) else 0
+  t = (cfg.distill.devices or 0) if teacher and cfg.distill.teacher is not None else 0
+  if j + t and j + t >= len(devices):
+    key, value = ("judge.devices", j) if not t else ("distill.devices", t)
+    both = f" and judge.devices = {j}" if j and t else ""
+    raise ConfigError(f"config key '{key}' = {value}{both}: this run has {len(devices)} "
+                      f"devices, and the policy needs at least one (at most "
+                      f"{len(devices) - 1 - (j + t - value)})")
+  rest = len(devices) - j - t
+  return Devices(devices[:rest], devices[len(devices) - j:] if j else None,
+                 devices[rest:rest + t] if t else None)
 
 
-def _abstract(cfg: Config, devices: list | None) -> Setup:
-  split = split_devices(cfg, devices)
+def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup:
+  split = split_devices(cfg, devices, teacher)
   mesh = mesh_lib.make_mesh(cfg.mesh, split.policy)
   check_mesh(cfg, mesh.shape["fsdp"])
   tokenizer, spec = load.spec_without_checkpoint(cfg.model)

@@ -1,5 +1,5 @@
-"""`python -m reasoner train|sft|eval|sample|plan|export --config FILE [key=value ...]`: parse,
-build, call."""
+"""`python -m reasoner train|sft|prefer|distill|eval|sample|plan|export --config FILE
+[key=value ...]`: parse, build, call."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 
 from reasoner.config import load_config
 from reasoner.errors import UserError, write_error
+from reasoner.planner import libtpu
 
 DEFAULT_CONFIG = "configs/embedded.yaml"
 
@@ -24,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
   for name, text in (("train", "run GRPO (resumes from the run's latest checkpoint)"),
                      ("sft", "supervised fine-tuning on responses (data.response_field), "
                              "before GRPO (lora.init_from=<this run>)"),
+                     ("prefer", "preference optimisation (DPO, IPO, SimPO, ORPO: prefer.loss) "
+                                "on pairs from a file or sampled by the policy"),
+                     ("distill", "on-policy distillation: the policy samples, a teacher "
+                                 "(distill.teacher or distill.teacher_lora) scores each token"),
                      ("eval", "greedy accuracy and format rate on the held-out split"),
                      ("sample", "print completions for one question"),
                      ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
@@ -65,11 +70,12 @@ def _say(text: str) -> None:
 def _run(args, cfg, argv: list[str]) -> None:
   """The command, once the config is valid: each imports what it runs here, so that jax and
   the model code load only after that (a bad config is one line in a second)."""
-  if args.command in ("train", "sft"):
+  libtpu.start_backends()  # without libtpu's start-up lines on a host with no TPU
+  if args.command in ("train", "sft", "prefer", "distill"):
     from reasoner import loop
 
     again = shlex.join(["python", "-m", "reasoner", *argv])
-    loop.train(cfg, command=again, stage=args.command if args.command == "sft" else "grpo")
+    loop.train(cfg, command=again, stage="grpo" if args.command == "train" else args.command)
   elif args.command == "export":
     from reasoner import export
 

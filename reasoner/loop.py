@@ -1,6 +1,7 @@
-"""The training run: resume, evaluate before, a stage's steps (GRPO, SFT: `STAGES`) until done
-or the session's deadline, evaluate after. `python -m reasoner train` and `sft` call `train`;
-the notebook calls the same phases of `Run` in cells of their own.
+"""The training run: resume, evaluate before, a stage's steps (GRPO, SFT, preference,
+distillation: `STAGES`) until done or the session's deadline, evaluate after. `python -m
+reasoner train`, `sft`, `prefer` and `distill` call `train`; the notebook calls the same phases
+of `Run` in cells of their own.
 
 A run resumes from its own latest checkpoint, else from `train.resume_from` (another session's
 output, read-only: its logs are carried over, so this run's directory reads as one run's). Each
@@ -25,16 +26,18 @@ from tqdm import tqdm
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
 from reasoner.engine import manifest, session
-from reasoner.engine.checkpoint import CheckpointError, Checkpointer, find_checkpoints
+from reasoner.engine.checkpoint import (Checkpointer, find_checkpoints, load_reference,
+                                        read_newest, save_reference)
 from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler
 from reasoner.engine.trainer import Stage, checkpoint_tree
 from reasoner.errors import write_error
 from reasoner.evaluation import evaluate_all
 from reasoner.mesh import agreed, largest
-from reasoner.objectives import grpo, sft
+from reasoner.objectives import distill, grpo, preference, sft
 
-STAGES: dict[str, Stage] = {s.name: s for s in (grpo.STAGE, sft.STAGE)}
+STAGES: dict[str, Stage] = {s.name: s for s in (grpo.STAGE, sft.STAGE, preference.STAGE,
+                                               distill.STAGE)}
 
 
 class Interrupted(Exception):
@@ -46,9 +49,9 @@ class Interrupted(Exception):
 
 
 def train(cfg: Config, command: str | None = None, stage: str = "grpo") -> dict:
-  """Runs (or resumes) GRPO or SFT (`stage`); returns {'before': ..., 'after': ...} held-out
-  results, and 'stopped' (the line that says how to continue) when the deadline stopped it
-  early. `command` is what the user ran, repeated in that line."""
+  """Runs (or resumes) a stage (`STAGES`: grpo, sft, prefer, distill); returns {'before': ...,
+  'after': ...} held-out results, and 'stopped' (the line that says how to continue) when the
+  deadline stopped it early. `command` is what the user ran, repeated in that line."""
   run = Run(cfg, command, stage)
   if cfg.train.eval_before:
     run.evaluate_before()
@@ -88,7 +91,7 @@ class Run:
       manifest.check(cfg, find_checkpoints(cfg.lora.init_from, "lora.init_from").parent,
                      via="lora.init_from")
     with self.clock.timed("load"):
-      self.setup = build(cfg, check_records=kind.check_records)
+      self.setup = build(cfg, check_records=kind.check_records, teacher=kind.needs_teacher)
     self.writer = MetricsWriter(self.path)
     self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
     self.trainer = kind.trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
@@ -99,6 +102,7 @@ class Run:
     # (mesh.put_batch) gives each process's devices only their rows.
     self.data = kind.batches(self.setup, tqdm.write if jax.process_index() == 0 else None)
     self.state, self.start, origin = self._resume(state)
+    self.setup.reference = self._reference(origin)
     self.step = self.start
     self.writer.start(self.start, carry_over=origin)
     if jax.process_index() == 0:
@@ -227,7 +231,7 @@ class Run:
   def _init_from(self, state, say):
     """`state` with the LoRA of lora.init_from's newest readable checkpoint (an SFT run's)."""
     folder = find_checkpoints(self.cfg.lora.init_from, "lora.init_from")
-    step, tree, _ = _newest(folder, "lora.init_from", self.cfg.lora.init_from,
+    step, tree, _ = read_newest(folder, "lora.init_from", self.cfg.lora.init_from,
                             checkpoint_tree(state), say)
     say(f"LoRA from {folder / str(step)} (lora.init_from); step 0, a fresh optimizer")
     return state.replace(lora=tree["lora"])
@@ -246,6 +250,17 @@ class Run:
     if folder not in self._checked:
       manifest.check(self.cfg, folder.parent, stage=self.stage, via="train.resume_from")
       self._checked.add(folder)
+
+  def _reference(self, origin: pathlib.Path | None):
+    """The LoRA the run started from (lora.init_from's, kept in <run>/reference, or in the
+    run train.resume_from continues), or None: the reference policy is the base under it."""
+    for run in (self.path, origin):
+      ref = load_reference(run, self.setup.lora) if run is not None else None
+      if ref is not None:
+        if run != self.path:
+          save_reference(self.path, ref)
+        return ref
+    return None
 
   def _save(self, step: int, state) -> None:
     with self.clock.timed("save"):
@@ -271,10 +286,12 @@ class Run:
     if found is None and cfg.train.resume_from:
       folder = find_checkpoints(cfg.train.resume_from)
       self._check_source(folder)
-      found = _newest(folder, "train.resume_from", cfg.train.resume_from, target, say)
+      found = read_newest(folder, "train.resume_from", cfg.train.resume_from, target, say)
       origin = folder.parent
     if found is None and cfg.lora.init_from:
-      return self._init_from(state, say), 0, None
+      state = self._init_from(state, say)
+      save_reference(self.path, state.lora)
+      return state, 0, None
     if found is None:
       return state, 0, None
     start, tree, data_state = found
@@ -284,24 +301,11 @@ class Run:
     return state.replace(**tree), start, origin
 
 
-def _newest(folder: pathlib.Path, key: str, value: str, target, say) -> tuple:
-  """(step, tree, data state) of the newest readable checkpoint of another run's `folder`
-  (config key `key` = `value` points at it), read-only; none readable is one line."""
-  ckpt = Checkpointer(folder, 1, read_only=True)
-  try:
-    found = ckpt.restore_latest(target, say)
-  finally:
-    ckpt.close()
-  if found is None:
-    raise CheckpointError(f"config key '{key}' = '{value}': no checkpoint in {folder} can be "
-                          "read")
-  return found
-
-
 # the progress bar's figures, those a step's metrics have: (metric, label, format)
 _POSTFIX = (("reward/mean", "reward", ".2f"), ("accuracy", "acc", ".2f"),
             ("format_rate", "fmt", ".2f"), ("loss", "loss", ".3f"), ("padding", "pad", ".2f"),
-            ("step_time_s", "s", ".0f"))
+            ("rewards/accuracy", "pair_acc", ".2f"), ("rewards/margin", "margin", ".2f"),
+            ("distill/reverse_kl", "kl", ".3f"), ("step_time_s", "s", ".0f"))
 
 
 def _postfix(m: dict) -> dict:

@@ -5,7 +5,10 @@ from reasoner.config import ConfigError, check_mesh, load_config
 
 
 def test_presets_load():
-  for name in ("embedded", "embedded_sft", "tiny", "gemma3_1b", "gemma2_2b"):
+  names = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+  assert {"embedded", "embedded_sft", "embedded_prefer", "embedded_distill", "tiny",
+          "gemma3_1b", "gemma2_2b"} <= set(names)
+  for name in names:
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     assert cfg.rollout.num_generations >= 2
 

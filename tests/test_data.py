@@ -31,7 +31,8 @@ def test_local_files_with_configured_fields(tmp_path):
     cfg = DataConfig(source=src, path=str(path), question_field="q", answer_field="a", num_eval=3)
     train, held = sources.load_splits(cfg)
     assert len(train) == 7 and held[-1] == {"question": "what is 9+9?", "answer": "18",
-                                            "category": None, "response": None}
+                                            "category": None, "response": None,
+                                            "chosen": None, "rejected": None}
   with pytest.raises(sources.DataError, match="has no field 'question'"):
     sources.load_splits(DataConfig(source="jsonl", path=str(jl)))
 
@@ -119,7 +120,7 @@ def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
   got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
                            "data.path")
   assert got == [{"question": "Name a colour.", "answer": None, "category": "ideas",
-                  "response": "Blue."}]
+                  "response": "Blue.", "chosen": None, "rejected": None}]
   path.write_text(json.dumps(rows[1]))
   cfg = DataConfig(source="jsonl", path=str(path), question_field="prompt",
                    response_field="reply")
@@ -129,6 +130,27 @@ def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
                                       r"\['system'\]"):
     sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
                        "data.path")
+
+
+def test_preference_pairs_from_fields_or_conversations(tmp_path):
+  """A pair as two fields (named by data.chosen_field / rejected_field), or as two chat
+  conversations (TRL's format), the question from their user turn."""
+  turn = lambda reply: [{"role": "user", "content": "2 + 2?"},
+                        {"role": "assistant", "content": reply}]
+  path = tmp_path / "pairs.jsonl"
+  path.write_text(json.dumps({"chosen": turn("4"), "rejected": turn("5")}) + "\n")
+  got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
+                           "data.path")[0]
+  assert (got["question"], got["chosen"], got["rejected"]) == ("2 + 2?", "4", "5")
+  cfg = DataConfig(source="jsonl", path=str(path), question_field="q", chosen_field="good",
+                   rejected_field="bad")
+  path.write_text(json.dumps({"q": "3 + 3?", "good": "6", "bad": "7"}) + "\n")
+  got = sources._read_file(str(path), "jsonl", cfg, "data.path")[0]
+  assert (got["question"], got["chosen"], got["rejected"]) == ("3 + 3?", "6", "7")
+  train, _ = sources.load_splits(DataConfig(difficulty="medium", num_train=8, num_eval=2))
+  for r in train:  # the generated pairs: the worked solution against the wrong operation
+    assert r["chosen"] == r["response"] and r["rejected"] != r["chosen"]
+    assert f"<answer>{r['answer']}</answer>" not in r["rejected"]
 
 
 def test_arithmetic_worked_solutions_state_the_answer():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from reasoner.engine import heads
+from reasoner.engine import heads, topk
 from reasoner.objectives import grpo
 
 
@@ -213,7 +213,7 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
                                                      softcap=30.0))(hs, es)
   np.testing.assert_allclose(lp2, lp_d, rtol=1e-5, atol=1e-5)
   flat = lambda x: x.reshape(-1, x.shape[-1])  # the sampler's [rows, D]
-  vals, ids, _ = jax.jit(lambda h, e: heads.vocab_topk(flat(h), e, 3, None))(hs, es)
+  vals, ids, _ = jax.jit(lambda h, e: topk.vocab_topk(flat(h), e, 3, None))(hs, es)
   vals_d, ids_d = jax.lax.top_k(heads.logits(flat(h), e), 3)
   np.testing.assert_allclose(vals, vals_d, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(ids, ids_d)
@@ -224,7 +224,7 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
 def test_topk_matches_dense(vocab_chunk, softcap, temperature):
   h, e, *_ = problem(3, 7, v=97)
   h = h.reshape(-1, h.shape[-1])  # the sampler's [rows, D]
-  vals, ids, lse = heads.vocab_topk(h, e, 5, vocab_chunk, softcap, temperature)
+  vals, ids, lse = topk.vocab_topk(h, e, 5, vocab_chunk, softcap, temperature)
   z = jnp.einsum("cd,vd->cv", h, e)
   z = (jnp.tanh(z / softcap) * softcap if softcap else z) / temperature
   vals_d, ids_d = jax.lax.top_k(z, 5)
@@ -237,7 +237,7 @@ def test_topk_matches_dense(vocab_chunk, softcap, temperature):
 def test_exact_topk_equals_lax_top_k(n, k):
   z = jax.random.permutation(jax.random.key(0), jnp.arange(3 * n, dtype=jnp.float32))
   z = z.reshape(3, n)  # distinct values: the ids are unique
-  vals, ids = heads.exact_topk(z, k)
+  vals, ids = topk.exact_topk(z, k)
   want_vals, want_ids = jax.lax.top_k(z, k)
   np.testing.assert_array_equal(vals, want_vals)
   np.testing.assert_array_equal(ids, want_ids)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, tiny_config
 from reasoner import mesh as mesh_lib
-from reasoner.planner import chips, hlo, layout as layout_lib, plan, report as report_lib
+from reasoner.planner import chips, hlo, layout as layout_lib, libtpu, plan, report as report_lib
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -283,15 +283,16 @@ LIBTPU_START = (
 def test_libtpu_start_up_lines_are_dropped_and_real_errors_kept():
   real = ("E0000 00:00:1.5 77 tpu_compiler.cc:10] INTERNAL: the compile failed\n"
           "=== Source Location Trace: ===\nlearning/tpu_compiler.cc:12\n")
-  assert plan.quiet_lines(LIBTPU_START) == ""
-  assert plan.quiet_lines(LIBTPU_START + real + "done\n") == real + "done\n"
-  assert plan.quiet_lines(real + LIBTPU_START) == real
+  assert libtpu.quiet_lines(LIBTPU_START) == ""
+  assert libtpu.quiet_lines(LIBTPU_START + real + "done\n") == real + "done\n"
+  assert libtpu.quiet_lines(real + LIBTPU_START) == real
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the tpu extra)")
-def test_plan_command_prints_nothing_of_libtpus_start_up():
+def test_commands_print_nothing_of_libtpus_start_up():
   """`reasoner plan` in a fresh process (libtpu starts there): the plan on stdout, its own
-  progress lines on stderr, and none of what libtpu prints on a host without a TPU."""
+  progress lines on stderr, and none of what libtpu prints on a host without a TPU; nor does
+  any other command (jax's backends start under the same filter)."""
   out = subprocess.run([sys.executable, "-m", "reasoner", "plan", "--config",
                         str(ROOT / "configs" / "tiny.yaml"), "--no-search",
                         "data.max_prompt_tokens=64", "rollout.max_new_tokens=16"],
@@ -300,9 +301,16 @@ def test_plan_command_prints_nothing_of_libtpus_start_up():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "compiled ahead of time for v5e:2x4 (libtpu)" in out.stdout
   assert "train step" in out.stderr  # the planner's own progress
+  # any other command: jax's backends start under the same filter (a tiny model's sample)
+  tiny = str(ROOT / "configs" / "tiny.yaml")
+  sample = subprocess.run([sys.executable, "-m", "reasoner", "sample", "--config", tiny,
+                           "--question", "2 + 2?", "eval.max_new_tokens=4"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
+  assert sample.returncode == 0 and sample.stdout.startswith("[0] "), sample.stderr[-2000:]
   for noise in ("Failed to find host bounds", "InitGoogle", "unexpected worker hostname",
                 "Source Location Trace"):
-    assert noise not in out.stderr + out.stdout
+    assert noise not in out.stderr + out.stdout + sample.stderr + sample.stdout
 
 
 def test_micro_batched_step_is_planned_with_every_pass_counted():

@@ -158,7 +158,7 @@ def test_bad_session_input_is_one_line_and_damages_nothing(tmp_path):
   one_line(cli(f"train.run_dir={tmp_path}", "train.run_name=new", "lora.rank=8",
                f"train.resume_from={tmp_path / 'old'}"), 2,
            r"^error: config key 'lora.rank' = 8: the run in train.resume_from \(.*old\) was "
-           r"trained with 4; set it back to continue from its weights$")
+           r"trained with 4; set it back to use its weights$")
   for f in ("config.json", "run.json"):  # a bare copy: the stored shapes are checked, one line
     (tmp_path / "old" / f).unlink()
   p = cli(f"train.run_dir={tmp_path}", "train.run_name=new2", "lora.rank=8",

@@ -14,6 +14,7 @@ from flax import nnx
 
 from conftest import ROOT, tiny_config
 from reasoner import mesh as mesh_lib
+from reasoner.data import examples as examples_lib
 from reasoner.objectives import sft
 from reasoner.build import build
 from reasoner.config import ConfigError
@@ -103,7 +104,7 @@ def _examples(n, rng):
 
 def test_batches_bucket_lengths_and_resume_in_place():
   ex = _examples(96, np.random.default_rng(0))
-  a = sft.Batches(ex, batch_size=8, seed=3, window=6, bucket=8, pad_id=0)
+  a = examples_lib.Batches(ex, batch_size=8, seed=3, window=6, bucket=8, pad_id=0)
   drawn = [next(a) for _ in range(15)]  # past one epoch (12 batches)
   # Each epoch holds every example once; every width a multiple of the bucket.
   seen = sorted(j for b in a.epoch(0) for j in b)
@@ -114,10 +115,10 @@ def test_batches_bucket_lengths_and_resume_in_place():
       assert b["prompt"][k][b["prompt_valid"][k]][0] == 2
       assert b["response"][k][b["response_mask"][k]][-1] == 1
   # Sorting within windows pads less than batches of random examples do.
-  unsorted = sft.Batches(ex, batch_size=8, seed=3, window=1, bucket=8, pad_id=0)
+  unsorted = examples_lib.Batches(ex, batch_size=8, seed=3, window=1, bucket=8, pad_id=0)
   assert a.padding() < unsorted.padding() - 0.1
   # A resumed iterator draws exactly what the uninterrupted one draws.
-  b = sft.Batches(ex, batch_size=8, seed=3, window=6, bucket=8, pad_id=0)
+  b = examples_lib.Batches(ex, batch_size=8, seed=3, window=6, bucket=8, pad_id=0)
   b.set_state(json.loads(json.dumps({"position": 10})))
   for want in drawn[10:]:
     got = next(b)
@@ -131,12 +132,12 @@ def test_encode_drops_long_examples_and_ends_with_the_stop_token(setup):
   records = [{"question": "What is 2 + 2?", "response": "<answer>4</answer>"},
              {"question": "Hi", "response": "x" * 400}]
   lines = []
-  out = sft.encode(records, "fewshot", setup.tokenizer, 640, 64, "drop", lines.append)
+  out = examples_lib.encode(records, "fewshot", setup.tokenizer, 640, 64, "drop", lines.append)
   assert len(out) == 1 and out[0][1][-1] == setup.tokenizer.eos_id
   assert setup.tokenizer.decode(out[0][1][:-1]) == "<answer>4</answer>"
   assert "dropped 1 of 2" in lines[0]
   with pytest.raises(DataError, match="record 1 has"):
-    sft.encode(records, "fewshot", setup.tokenizer, 640, 64, "error")
+    examples_lib.encode(records, "fewshot", setup.tokenizer, 640, 64, "error")
 
 
 def _train(tmp_path, name, *overrides, stage="sft"):

@@ -11,7 +11,8 @@ The sections, by who reads them (each importable from here):
 - `model.py`: model, mesh, lora (what is trained, on which devices);
 - `data.py`: data, eval (records, prompts, evaluation sets);
 - `loop.py`: train, optim (the loop and the optimizer);
-- `stages.py`: rollout, grpo, sft, rewards, judge (the training stages and their rewards).
+- `stages.py`: rollout, grpo, sft, prefer, distill, rewards, judge (the training stages and
+  their rewards).
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from reasoner.config import typed
 from reasoner.config.data import DataConfig, EvalConfig, EvalSet
 from reasoner.config.loop import OptimConfig, TrainConfig
 from reasoner.config.model import LoraConfig, MeshConfig, ModelConfig
-from reasoner.config.stages import (DEFAULT_RUBRIC, GRPOConfig, JudgeConfig, RewardSpec,
-                                    RolloutConfig, SFTConfig)
+from reasoner.config.stages import (DEFAULT_RUBRIC, DistillConfig, GRPOConfig, JudgeConfig,
+                                    PreferConfig, RewardSpec, RolloutConfig, SFTConfig)
 from reasoner.config.typed import fail as _fail
 from reasoner.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "DEFAULT_RUBRIC", "DataConfig", "EvalConfig", "EvalSet",
-           "GRPOConfig", "JudgeConfig", "LoraConfig", "MeshConfig", "ModelConfig",
-           "OptimConfig", "RewardSpec", "RolloutConfig", "SFTConfig", "TrainConfig",
+__all__ = ["Config", "ConfigError", "DEFAULT_RUBRIC", "DataConfig", "DistillConfig",
+           "EvalConfig", "EvalSet", "GRPOConfig", "JudgeConfig", "LoraConfig", "MeshConfig",
+           "ModelConfig", "OptimConfig", "PreferConfig", "RewardSpec", "RolloutConfig",
+           "SFTConfig", "TrainConfig",
            "check_mesh", "config_from_dict", "load_config"]
 
 
@@ -53,6 +55,8 @@ class Config:
   train: TrainConfig = TrainConfig()
   eval: EvalConfig = EvalConfig()
   sft: SFTConfig = SFTConfig()
+  prefer: PreferConfig = PreferConfig()
+  distill: DistillConfig = DistillConfig()
   judge: JudgeConfig = JudgeConfig()
 
   def __post_init__(self):

@@ -21,6 +21,10 @@ class DataConfig:
   category_field: str = "category"  # optional in a record: routes rewards (rewards[].categories)
   # SFT: the target text of a record (or a `messages` list ending in the model's turn)
   response_field: str = "response"
+  # preference pairs (`prefer.pairs: file`): the better and the worse response (texts, or chat
+  # `messages` lists ending in the model's turn)
+  chosen_field: str = "chosen"
+  rejected_field: str = "rejected"
   num_train: int = 2000  # arithmetic: problems generated for training
   num_eval: int = 64  # held-out problems
   seed: int = 0

@@ -1,5 +1,5 @@
-"""The training stages' sections: GRPO's rollouts and objective, SFT, the rewards and the
-judge. A new stage's section goes here."""
+"""The training stages' sections: GRPO's rollouts and objective, SFT, preference optimisation,
+distillation, the rewards and the judge. A new stage's section goes here."""
 
 from __future__ import annotations
 
@@ -152,6 +152,75 @@ class SFTConfig:
     for f in ("max_response_tokens", "window", "bucket"):
       if getattr(self, f) < 1:
         _fail(f"sft.{f}", getattr(self, f), "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreferConfig:
+  """`python -m reasoner prefer`: preference optimisation on pairs of responses, the same LoRA
+  (reasoner/objectives/preference.py). Symbols as in the papers: beta, gamma, lambda."""
+
+  # dpo (Rafailov et al. 2023; the reference is the base with the LoRA off), ipo (Azar et al.
+  # 2023, on mean log-probs as TRL's), simpo (Meng et al. 2024: length-normalised, a margin
+  # gamma, no reference), orpo (Hong et al. 2024: the chosen NLL plus an odds-ratio term)
+  loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+  beta: float = 0.1  # DPO / IPO: the KL weight; SimPO: the reward scale
+  gamma: float = 0.5  # SimPO: the target reward margin
+  orpo_lambda: float = 0.1  # ORPO: the odds-ratio term's weight (Tunix's lambda_orpo)
+  # ORPO's odds of a response from its mean token log-prob (the paper's, TRL's) or from its sum
+  # (Tunix 0.1.7's dpo_trainer)
+  orpo_odds: Literal["mean", "sum"] = "mean"
+  label_smoothing: float = 0.0  # the chance a pair's label is flipped (cDPO; DPO, SimPO, ORPO)
+  # file: the records' chosen and rejected responses (data.chosen_field, rejected_field);
+  # policy: pairs the policy samples (online DPO): rollout.num_generations completions a prompt,
+  # scored by the run's rewards, the best paired with the worst
+  pairs: Literal["file", "policy"] = "file"
+  min_margin: float = 0.1  # policy: the least reward gap of a pair; closer groups give none
+  regenerate_every: int = 1  # policy: new pairs every N steps (N batches of pairs at once)
+  max_sample_batches: int = 4  # policy: prompt batches drawn a batch of pairs, at most
+  max_response_tokens: int = 256  # file: longer pairs are dropped or refused (data.overlong)
+
+  def __post_init__(self):
+    for f in ("beta", "orpo_lambda"):
+      if getattr(self, f) <= 0:
+        _fail(f"prefer.{f}", getattr(self, f), "a positive number")
+    if self.gamma < 0 or self.min_margin < 0:
+      key = "gamma" if self.gamma < 0 else "min_margin"
+      _fail(f"prefer.{key}", getattr(self, key), "a non-negative number")
+    if not 0 <= self.label_smoothing < 0.5:
+      _fail("prefer.label_smoothing", self.label_smoothing, "a number in [0, 0.5)")
+    for f in ("regenerate_every", "max_sample_batches", "max_response_tokens"):
+      if getattr(self, f) < 1:
+        _fail(f"prefer.{f}", getattr(self, f), "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+  """`python -m reasoner distill`: on-policy distillation (reasoner/objectives/distill.py). The
+  student (the policy) samples; a teacher scores every sampled token; the per-token reverse KL
+  becomes a dense advantage."""
+
+  # the teacher: a model of its own (a model section, e.g. {source: kaggle, name: gemma3-4b,
+  # kaggle_handle: ...}, on `devices` or the policy's), or the policy's base with another run's
+  # newest LoRA (a run directory: no second model in memory). One of the two.
+  teacher: ModelConfig | None = None
+  teacher_lora: str | None = None
+  devices: int | None = None  # a teacher model of its own on the last N devices (before a judge's)
+  # each sampled token's advantage: kl_coef * (log pi_teacher - log pi_student) ...
+  kl_coef: float = 1.0
+  # ... plus reward_weight x the GRPO advantage of the run's rewards (0: distillation alone)
+  reward_weight: float = 0.0
+
+  def __post_init__(self):
+    if self.teacher is not None and self.teacher_lora is not None:
+      _fail("distill.teacher_lora", self.teacher_lora, "null when distill.teacher is set (one "
+            "teacher: a model of its own, or the policy's base with a run's LoRA)")
+    if self.devices is not None and (self.devices < 1 or self.teacher is None):
+      _fail("distill.devices", self.devices, "null (the policy's devices), or a positive number "
+            "of devices for a distill.teacher of its own")
+    if self.kl_coef <= 0:
+      _fail("distill.kl_coef", self.kl_coef, "a positive number")
+    if self.reward_weight < 0:
+      _fail("distill.reward_weight", self.reward_weight, "a non-negative number")
 
 
 DEFAULT_RUBRIC = (

@@ -1,4 +1,6 @@
-"""Generated arithmetic word problems: deterministic by seed, with a disjoint held-out split."""
+"""Generated arithmetic word problems: deterministic by seed, with a disjoint held-out split;
+each with a worked solution (SFT's response, a preference pair's chosen) and the same solution
+with the wrong operation (the pair's rejected)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def _problem(rng: random.Random, difficulty: str) -> dict:
   pronoun = "They" if name in ("Raj", "Kim") else ("He" if name in ("Sam", "Tom", "Leo", "Ben",
                                                                       "Max") else "She")
   question = template.format(n=name, a=a, b=b, x=item, p=pronoun)
+  worked = solution(op, a, b, answer)
   return {"question": question, "answer": str(answer), "category": "math",
-          "response": solution(op, a, b, answer)}
+          "response": worked, "chosen": worked, "rejected": wrong_operation(op, a, b)}
 
 
 def solution(op: str, a: int, b: int, answer: int) -> str:
@@ -43,6 +46,14 @@ def solution(op: str, a: int, b: int, answer: int) -> str:
   why = {"+": f"{b} more: {a} + {b} = {answer}", "-": f"{b} fewer: {a} - {b} = {answer}",
          "*": f"{a} groups of {b}: {a} * {b} = {answer}"}[op]
   return f"<reasoning>{why}</reasoning>\n<answer>{answer}</answer>"
+
+
+def wrong_operation(op: str, a: int, b: int) -> str:
+  """The worked solution with the wrong operation, the base model's typical mistake (it copies
+  the few-shot examples' product and difference): a sum for a difference or a product, a
+  difference for a sum (a preference pair's rejected response)."""
+  wrong = {"+": "-", "-": "+", "*": "+"}[op]
+  return solution(wrong, a, b, {"+": a + b, "-": a - b}[wrong])
 
 
 def generate(num_train: int, num_eval: int, seed: int, difficulty: str = "easy"

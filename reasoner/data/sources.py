@@ -1,11 +1,13 @@
 """Records from the configured source, and the grain training pipeline.
 
 A record is {'question': str, 'answer': str | None, 'category': str | None, 'response':
-str | None}: the reference answer, the category and the response (SFT's target) are optional in
-a file (rewards that need an answer, and routing by category, are checked against the records in
-`rewards.Rewards.check`, responses by `sft.check`, before any model loads). A record may give its
-question and response as chat `messages` instead: [{role: user, content}, {role: assistant (or
-model), content}].
+str | None, 'chosen': str | None, 'rejected': str | None}: the reference answer, the category,
+the response (SFT's target) and a preference pair (chosen, rejected) are optional in a file
+(rewards that need an answer, and routing by category, are checked against the records in
+`rewards.scoring.Rewards.check`, responses and pairs by their stage's check, before any model
+loads). A record may give its question and response as chat `messages` instead: [{role: user,
+content}, {role: assistant (or model), content}]; a pair's chosen and rejected may each be such
+a list (TRL's conversational format), the question taken from its user turn.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
   for i, row in enumerate(rows):
     if "messages" in row and cfg.question_field not in row:
       row = {**row, **_from_messages(row["messages"], f"{path}: record {i}", cfg)}
+    for f in (getattr(cfg, "chosen_field", None), getattr(cfg, "rejected_field", None)):
+      if f and isinstance(row.get(f), list):  # a conversation: its user turn and its reply
+        turns = _from_messages(row[f], f"{path}: record {i}, field '{f}'", cfg)
+        row = {cfg.question_field: turns[cfg.question_field], **row,
+               f: turns.get(getattr(cfg, "response_field", "response"))}
     if cfg.question_field not in row:
       raise DataError(f"{path}: record {i} has no field '{cfg.question_field}' "
                       f"({section}.question_field); it has {', '.join(sorted(row))}")
@@ -56,7 +63,8 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
     out.append({"question": str(row[cfg.question_field]),
                 "answer": None if answer is None else _final_answer(str(answer)),
                 "category": None if category is None else str(category),
-                "response": _text(row, getattr(cfg, "response_field", None))})
+                **{k: _text(row, getattr(cfg, f"{k}_field", None))
+                   for k in ("response", "chosen", "rejected")}})
   if not out:
     raise DataError(f"{path}: no records")
   return out

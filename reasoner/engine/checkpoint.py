@@ -245,6 +245,55 @@ def find_checkpoints(root: str | pathlib.Path, key: str = "train.resume_from") -
                         "directory holding checkpoints/<step>/")
 
 
+def read_newest(folder: pathlib.Path, key: str, value: str, target, say) -> tuple:
+  """(step, tree, data state) of the newest readable checkpoint of another run's `folder`
+  (config key `key` = `value` points at it), read-only; none readable is one line."""
+  ckpt = Checkpointer(folder, 1, read_only=True)
+  try:
+    found = ckpt.restore_latest(target, say)
+  finally:
+    ckpt.close()
+  if found is None:
+    raise CheckpointError(f"config key '{key}' = '{value}': no checkpoint in {folder} can be "
+                          "read")
+  return found
+
+
+REFERENCE = "reference"  # beside a run's checkpoints: the LoRA it started from
+
+
+def save_reference(run: pathlib.Path, lora) -> None:
+  """Keeps `lora` (the LoRA lora.init_from started the run from) as `run`/reference, once:
+  the reference policy of DPO and of GRPO's KL is the base under it, in every later session,
+  whether or not the run it came from is still there."""
+  path = pathlib.Path(run).absolute() / REFERENCE
+  if path.is_dir():
+    return
+  try:
+    with held_back():
+      ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(path, args=ocp.args.StandardSave(
+          lora))
+  except Exception as e:
+    raise CheckpointError(f"cannot save the reference LoRA in {path}: "
+                          f"{write_error(e, path.parent)}") from e
+
+
+def load_reference(run: pathlib.Path, like):
+  """`run`'s reference LoRA placed as `like` (the run's LoRA), or None where it has none (the
+  reference is then the base alone)."""
+  path = pathlib.Path(run).absolute() / REFERENCE
+  if not path.is_dir():
+    return None
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          like)
+  try:
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        path, args=ocp.args.StandardRestore(abstract))
+  except Exception as e:
+    raise CheckpointError(f"{path} (the run's reference LoRA) cannot be read: {first_line(e)}"
+                          ) from e
+
+
 def restore_lora(setup, step: int | None = None):
   """(LoRA weights, step) of the run's checkpoint at `step` (default: the newest that reads,
   each unreadable one named on the way), read-only; (the initial LoRA, 0) when the run has no

@@ -19,10 +19,11 @@ Heads:
 - `fused_token_loss`: the training head. The loss, per-token log-probs and entropies, with the
   gradients for the hidden states and (when it is trained) the tied embedding computed in the
   same scan, so each chunk's logits are computed exactly once.
+- `fused_sequence_loss`: a loss of each row's sequence log-prob (preference pairs), its
+  gradient fused the same way in one pass.
 - `token_logprobs`: log-probs and entropies only (old and reference policies). Forward only
   in the trainer; differentiable through remat (the logits twice) for other uses.
-- `vocab_topk`: top-k logits and ids of [rows, D] hidden states and the log-normaliser, the
-  sampler's head at each decoding step.
+The sampler's head, the top-k of each decoded row over the vocabulary, is `engine.topk`.
 
 The fused gradient. The loss is L = sum_i w_i f(logp_i, a_i): a per-token function f (the
 GRPO clipped surrogate + KL, `grpo.token_loss`) of the target log-prob, with weights w (the
@@ -48,7 +49,7 @@ A forward-only call (no jax.grad) runs the primal scan: one matmul per chunk, no
 Vocabulary chunks are not used in the two log-prob heads: dE for a vocabulary block needs each
 token's final log-normaliser, so a single pass over vocabulary blocks cannot give it (an
 online-softmax pass could give dh only), and a [chunk, V / tp] block per chip is already
-bounded. `vocab_topk` takes an optional `vocab_chunk` (an online log-sum-exp and a running
+bounded. `topk.vocab_topk` takes an optional `vocab_chunk` (an online log-sum-exp and a running
 top-k).
 
 Precision: logits accumulate in float32 (preferred_element_type); G is cast to the embedding's
@@ -340,90 +341,90 @@ def fused_token_loss(
   return loss, unchunk(logp), unchunk(ent)
 
 
-# ---------------------------------------------------------------------------------- top-k
+# -------------------------------------------------------------------- fused sequence loss
 
-def _merge_topk(vals, idx, new_vals, new_idx, k: int):
-  both_v = jnp.concatenate([vals, new_vals], axis=-1)
-  both_i = jnp.concatenate([idx, new_idx], axis=-1)
-  top, pos = jax.lax.top_k(both_v, k)
-  return top, jnp.take_along_axis(both_i, pos, axis=-1)
+SeqFn = Callable[..., jax.Array]  # (S [B], *row_args [B]) -> scalar loss
 
 
-def exact_topk(z: jax.Array, k: int, group: int = 64) -> tuple[jax.Array, jax.Array]:
-  """`lax.top_k` over the last axis in two stages. The k groups of `group` entries with the
-  largest maxima hold all k largest entries (a group holding one has a maximum at least the
-  k-th largest value, and at most k groups do), so the second stage picks from k * group
-  candidates instead of the whole axis: one max pass over z instead of a top-k over it
-  (0.06 s against 0.12 s for [128, 262,144] with its log-sum-exp on the 2-core CPU). Same
-  values as `lax.top_k`; among exactly equal values the ids may come in another order. Plain
-  `lax.top_k` where the axis is not a multiple of `group` or has fewer than 4k groups."""
-  n = z.shape[-1]
-  if n % group or n // group < 4 * k:
-    vals, ids = jax.lax.top_k(z, k)
-    return vals, ids.astype(jnp.int32)
-  grouped = z.reshape(*z.shape[:-1], n // group, group)
-  _, top_groups = jax.lax.top_k(jnp.max(grouped, axis=-1), k)  # [..., k]
-  cand = jnp.take_along_axis(grouped, top_groups[..., None], axis=-2).reshape(*z.shape[:-1], -1)
-  vals, pos = jax.lax.top_k(cand, k)
-  ids = jnp.take_along_axis(top_groups, pos // group, axis=-1) * group + pos % group
-  return vals, ids.astype(jnp.int32)
+def _identity(logp: jax.Array) -> jax.Array:
+  return logp
 
 
-def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-               softcap: float | None = None, temperature: float = 1.0):
-  """[C, D] -> top-k logits / T (descending), their ids, log-sum-exp of logits / T; over
-  vocabulary blocks of `vocab_chunk` rows when asked (a running top-k and an online
-  log-sum-exp), so no [C, V] array is formed. The sampler's head at each decoding step."""
-  v = emb.shape[0]
-  if vocab_chunk is None or vocab_chunk >= v:
-    z = logits(h.astype(emb.dtype), emb, softcap, temperature)
-    vals, idx = exact_topk(z, k)
-    # Its own max pass, not vals[..., 0] (the same value): on XLA:CPU the log-sum-exp that
-    # waits on the top-k made the head 1.3-1.6x slower (32 and 128 rows of 262,144).
-    m = jnp.max(z, axis=-1)
-    return vals, idx, m + jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
-  nb = -(-v // vocab_chunk)
-  blocks = jnp.pad(emb, ((0, nb * vocab_chunk - v), (0, 0))).reshape(nb, vocab_chunk, -1)
-
-  def body(carry, xs):
-    vals, idx, m, s = carry
-    e_b, j = xs
-    z = logits(h.astype(emb.dtype), e_b, softcap, temperature)
-    ids = j * vocab_chunk + jnp.arange(vocab_chunk, dtype=jnp.int32)
-    z = jnp.where(ids[None] < v, z, -jnp.inf)  # padding rows never win
-    bv, bi = exact_topk(z, min(k, vocab_chunk))
-    vals, idx = _merge_topk(vals, idx, bv, ids[bi], k)
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1))  # as in one block
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
-    return (vals, idx, m_new, s), None
-
-  c = h.shape[0]
-  init = (jnp.full((c, k), -jnp.inf, jnp.float32), jnp.zeros((c, k), jnp.int32),
-          jnp.full((c,), -jnp.inf, jnp.float32), jnp.zeros((c,), jnp.float32))
-  (vals, idx, m, s), _ = jax.lax.scan(body, init, (blocks, jnp.arange(nb, dtype=jnp.int32)))
-  return vals, idx, m + jnp.log(s)
+@dataclasses.dataclass(frozen=True)
+class _SeqStatic:
+  seq_fn: SeqFn
+  tokens: _Static  # the per-token scan, with f(logp) = logp
+  b: int
+  t: int
 
 
-def split_vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-                     softcap: float | None, temperature: float, mesh: Mesh):
-  """`vocab_topk` with the vocabulary split over the mesh's 'tp' chips (the decode layouts'
-  embedding): each chip scores its slice of the vocabulary for its rows and keeps its top-k
-  and log-sum-exp; one all-gather over 'tp' moves rows x (2k + 1) x chips numbers, never a
-  vocabulary-sized array, and every chip merges them into the same top-k (chips in vocabulary
-  order: ties resolve to the lower id as on one chip) and log-sum-exp."""
-  tp = mesh.shape["tp"]
-  rows = mesh_lib.row_axis(mesh, h.shape[0])
-  part = emb.shape[0] // tp
+def _sums(st: _SeqStatic, logp, w) -> jax.Array:  # [K, C'] chunks -> S [B]
+  lay = st.tokens.lay
+  return jnp.sum(from_chunks(logp * w, lay, st.b, st.t), axis=1)
 
-  def local(h, e):
-    vals, ids, lse = vocab_topk(h, e, k, vocab_chunk, softcap, temperature)
-    ids = ids + jax.lax.axis_index("tp") * part  # ids < 2^24: exact as float32
-    packed = jnp.concatenate([vals, ids.astype(jnp.float32), lse[:, None]], axis=-1)
-    every = jax.lax.all_gather(packed, "tp", axis=1, tiled=True)  # [rows, tp * (2k + 1)]
-    every = every.reshape(h.shape[0], tp, 2 * k + 1)
-    top, pos = jax.lax.top_k(every[..., :k].reshape(h.shape[0], -1), k)
-    cand = every[..., k:2 * k].reshape(h.shape[0], -1).astype(jnp.int32)
-    return top, jnp.take_along_axis(cand, pos, axis=-1), jax.nn.logsumexp(every[..., -1], -1)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(rows, None), P("tp", None)),
-                       out_specs=(P(rows, None), P(rows, None), P(rows)), check_vma=False)(h, emb)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_seq(st: _SeqStatic, h, emb, y, w, args):
+  _, (logp, ent), _ = _fused_scan(st.tokens, h, emb, y, w, (), False, False)
+  s = _sums(st, logp, w)
+  return st.seq_fn(s, *args), s, logp, ent
+
+
+def _fused_seq_fwd(st: _SeqStatic, h, emb, y, w, args):
+  if emb.perturbed:
+    raise NotImplementedError("fused_sequence_loss: the embedding must be frozen (a row's "
+                              "coefficient is known only after the scan, and dE mixes rows)")
+  args = jax.tree.map(lambda a: a.value, args)
+  # dh of sum(w * logp) per token (c_i = w_i), then each row's dL/dS once the scan is done
+  _, outs, _ = _fused_scan(st.tokens, h.value, emb.value, y.value, w.value, (), h.perturbed,
+                           False)
+  s = _sums(st, outs[0], w.value)
+  loss, pull = jax.vjp(lambda s: st.seq_fn(s, *args), s)
+  dh = None
+  if h.perturbed:
+    (c,) = pull(jnp.ones((), loss.dtype))  # [B] dL/dS
+    c = to_chunks(jnp.broadcast_to(c[:, None], (st.b, st.t)), st.tokens.lay)
+    dh = (outs[2].astype(jnp.float32) * c[..., None]).astype(h.value.dtype)
+  return (loss, s, outs[0], outs[1]), dh
+
+
+def _fused_seq_bwd(st: _SeqStatic, dh, cts):
+  ct = cts[0]
+  if isinstance(ct, SymbolicZero) or dh is None:
+    return None, None, None, None, None
+  return (dh.astype(jnp.float32) * ct).astype(dh.dtype), None, None, None, None
+
+
+_fused_seq.defvjp(_fused_seq_fwd, _fused_seq_bwd, symbolic_zeros=True)
+
+
+def fused_sequence_loss(
+    hidden: jax.Array,  # [B, T, D]
+    embedding: jax.Array,  # [V, D], tied and frozen
+    targets: jax.Array,  # [B, T] int
+    weights: jax.Array,  # [B, T] float: S_b = sum_t weights[b, t] * logp[b, t]
+    seq_fn: SeqFn,  # L = seq_fn(S, *seq_args): a scalar function of every row's S
+    seq_args: tuple[jax.Array, ...],  # [B] each, the per-row data seq_fn takes
+    *,
+    chunk: int | None = None,
+    mesh: Mesh | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:  # loss, S [B], logp, entropy [B, T]
+  """A loss of each row's weighted sum of target log-probs (a sequence log-prob: DPO, SimPO,
+  ORPO pair two rows' sums), its gradient fused as `fused_token_loss`'s: dL/dlogp_bt =
+  dL/dS_b * w_bt, and since every token of a row shares dL/dS_b, the scan forms each token's
+  dh for the coefficient w alone and scales it by its row's dL/dS once the scan has all of S.
+  Exact, in one pass of 2 vocabulary matmuls a chunk (logits and dh); the embedding must be
+  frozen (dE would need the coefficients inside the scan). S, logp and entropy carry no
+  gradient; weights and seq_args get none.
+  """
+  b, t, _ = hidden.shape
+  lay = _layout(hidden, embedding, mesh, chunk)
+  st = _SeqStatic(seq_fn, _Static(_identity, softcap, lay, temperature), b, t)
+  loss, s, logp, ent = _fused_seq(st, to_chunks(hidden, lay), _vocab_parallel(embedding, lay),
+                                  to_chunks(targets, lay),
+                                  to_chunks(weights.astype(jnp.float32), lay),
+                                  tuple(a.astype(jnp.float32) for a in seq_args))
+  unchunk = lambda x: jax.lax.stop_gradient(from_chunks(x, lay, b, t))
+  return loss, jax.lax.stop_gradient(s), unchunk(logp), unchunk(ent)

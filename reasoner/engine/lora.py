@@ -1,7 +1,8 @@
 """LoRA applied in place with qwix: the base weights stay as they are and are never copied.
 
-The KL reference is the same model with the LoRA weights zeroed ((x A) B = 0 exactly), so
-the reference policy is the base weights themselves, not a second model.
+The reference policy (GRPO's KL, DPO's) is the same model under another LoRA, never a second
+model: the LoRA the run started from (lora.init_from's, kept in <run>/reference by the loop),
+or none, the LoRA weights zeroed ((x A) B = 0 exactly): the base weights themselves.
 
 QLoRA (`lora.base_qtype`): qwix's PTQ under the LoRA replaces each adapted kernel by its
 quantised values and scales (the float kernel is freed once the build drops the float model),

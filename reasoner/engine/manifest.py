@@ -29,6 +29,8 @@ FIXED = ("model.name", "model.layers", "model.tiny_layers", "model.tiny_embed_di
 # Where and for how long this session runs: not settings of the run.
 SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name",
            "lora.init_from")
+STAGE_NAMES = {"grpo": "a GRPO", "sft": "an SFT", "prefer": "a preference",
+               "distill": "a distillation"}
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "google-tunix",
             "reasoner")
 
@@ -69,22 +71,23 @@ def check(cfg: Config, run: pathlib.Path, stage: str | None = None, via: str | N
           ) -> None:
   """Raises ConfigError, one line per key, when `cfg` changes what `run`'s checkpoints hold, or
   when `run` is another stage's (an SFT run continued as GRPO); `via`: the config key that
-  points at `run` (train.resume_from, lora.init_from) when it is not this run's directory."""
+  points at `run` (train.resume_from, lora.init_from, distill.teacher_lora) when it is not
+  this run's directory."""
   m = read(run)
   if m is None:
     return
   was = m.get("stage", "grpo")
   if stage is not None and was != stage:
-    raise ConfigError(f"run {run} is a{'n' if was == 'sft' else ''} {was.upper()} run, and this "
-                      f"is {stage.upper()}: start it under a new train.run_name"
-                      + (f" with lora.init_from={run}" if stage == "grpo" else ""))
+    raise ConfigError(f"run {run} is {STAGE_NAMES.get(was, was)} run, and this is "
+                      f"{STAGE_NAMES.get(stage, stage)} run: start it under a new "
+                      f"train.run_name with lora.init_from={run}")
   old, new = in_effect(m), flat(_plain(cfg))
   lines = []
   for key in FIXED:
     if key in old and old[key] != new[key]:
       if via:
         lines.append(f"config key '{key}' = {new[key]!r}: the run in {via} ({run}) was trained "
-                     f"with {old[key]!r}; set it back to continue from its weights")
+                     f"with {old[key]!r}; set it back to use its weights")
       else:
         lines.append(f"config key '{key}' = {new[key]!r}: run {run} was trained with "
                      f"{old[key]!r}; set it back to continue it (or to branch off its weights: "

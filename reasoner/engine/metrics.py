@@ -67,8 +67,8 @@ class MetricsWriter:
       (self.path / name).write_text(json.dumps(data, indent=2) + "\n")
 
   def plot(self) -> pathlib.Path | None:
-    """reward.png: training reward per step (SFT: the loss, on its own axis), with held-out
-    evaluations marked."""
+    """reward.png: training reward per step (SFT and preference: the loss, on its own axis;
+    preference: the pairs' reward accuracy), with held-out evaluations marked."""
     if not self.enabled or not (self.path / "metrics.jsonl").exists():
       return None
     import matplotlib
@@ -79,14 +79,20 @@ class MetricsWriter:
     rows = [json.loads(l) for l in (self.path / "metrics.jsonl").read_text().splitlines() if l]
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/mean_reward"]) for r in rows if "eval/mean_reward" in r]
-    sft = [(r["step"], r["loss"]) for r in rows if "padding" in r]  # an SFT step's row
+    # an SFT or preference step's row: its loss on its own axis
+    pairs = [(r["step"], r["rewards/accuracy"]) for r in rows if "rewards/accuracy" in r]
+    sft = [(r["step"], r["loss"]) for r in rows if "padding" in r or "rewards/accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     lines = []
     if sft:
       twin = ax.twinx()
       s, v = zip(*sft)
-      lines += twin.plot(s, v, "-", color="tab:red", alpha=0.6, label="SFT loss (right)")
-      twin.set_ylabel("SFT loss (NLL a response token)")
+      what = "preference" if pairs else "SFT"
+      lines += twin.plot(s, v, "-", color="tab:red", alpha=0.6, label=f"{what} loss (right)")
+      twin.set_ylabel("preference loss" if pairs else "SFT loss (NLL a response token)")
+    if pairs:
+      s, v = zip(*pairs)
+      ax.plot(s, v, "-", alpha=0.6, label="pairs whose chosen outscores the rejected")
     if train:
       s, v = zip(*train)
       ax.plot(s, v, ".", alpha=0.4, label="rollout reward")

@@ -6,7 +6,7 @@ repeats it to the G rows and decodes with Tunix's layers.
 Decoding stops when every row is done (a stop token or stop sequence), or after
 `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
 No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages
-and the log-normaliser from it (`heads.vocab_topk`), optionally over vocabulary blocks.
+and the log-normaliser from it (`topk.vocab_topk`), optionally over vocabulary blocks.
 
 Returned log-probs are those of the distribution the tokens were drawn from,
 softmax(logits / temperature) over the whole vocabulary (top-k and top-p only narrow the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +30,11 @@ from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
-from reasoner.engine import heads
+from reasoner.engine import heads, topk
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
 from reasoner.models.prompt import prefill, prompt_layout
 from reasoner.planner.layout import decode_layout
-
-if TYPE_CHECKING:
-  from reasoner.build import Setup
 
 log = logging.getLogger("reasoner")
 
@@ -119,19 +116,19 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
   """[B, D] final hidden states -> [B] sampled ids and their log-probs under softmax(logits /
   T): T `cfg.logprob_temperature`, by default the sampling temperature (1 when greedy).
 
-  Greedy and top-k sampling go through `heads.vocab_topk` (a two-stage top-k, the
+  Greedy and top-k sampling go through `topk.vocab_topk` (a two-stage top-k, the
   log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
   [B, V] array is formed); the candidates are the dense path's, and so is the draw for the
   same key. `split`: a decode mesh whose 'tp' chips each hold a slice of the vocabulary
-  (`heads.split_vocab_topk`: only the candidates cross chips). Plain temperature sampling and
+  (`topk.split_vocab_topk`: only the candidates cross chips). Plain temperature sampling and
   top-p alone (a sort of the whole vocabulary) use the dense path.
   """
   t = cfg.logprob_temperature or cfg.temperature or 1.0
   if cfg.temperature == 0 or cfg.top_k is not None:
     k = 1 if cfg.temperature == 0 else cfg.top_k
-    vals, ids, lse = (heads.split_vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t, split)
+    vals, ids, lse = (topk.split_vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t, split)
                       if split is not None else
-                      heads.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t))  # z / t
+                      topk.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t))  # z / t
     pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
            else _pick(vals if t == cfg.temperature else vals * (t / cfg.temperature), key, cfg))
     take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
@@ -331,9 +328,10 @@ class Sampler:
     self._rules: dict = {}  # a state's tree structure -> its decode shardings (the LoRA's)
 
   @classmethod
-  def for_run(cls, setup: "Setup", layout: str | None = None) -> "Sampler":
-    """The run's sampler, decoding in `layout` (default `rollout.layout`, auto resolved by
-    `planner.layout.decode_layout`), its base weights kept in that layout."""
+  def for_run(cls, setup, layout: str | None = None) -> "Sampler":
+    """The run's sampler (`setup`: a `build.Setup`), decoding in `layout` (default
+    `rollout.layout`, auto resolved by `planner.layout.decode_layout`), its base weights kept
+    in that layout."""
     cfg = setup.cfg
     layout = layout or decode_layout(setup)
     if layout != "train":

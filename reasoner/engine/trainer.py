@@ -141,25 +141,45 @@ class Trainer:
 
     return self._in_micro_batches(fwd, (lora, base), tuple(batch), ())[1]
 
+  def loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, head):
+    """((loss, LoRA gradients), aux) of `head(hidden, model) -> (loss, aux)`, a head's loss of
+    the hidden states of `tokens` after their prompts (`models.prompt.completion_hidden`)."""
+    def loss_fn(model):
+      return head(completion_hidden(model, prompt, prompt_valid, tokens, mask, self.mesh), model)
+
+    # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
+    # cannot update a module merged inside a plain jax transform (TraceContextError).
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
+                                 has_aux=True)
+    (loss, aux), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
+    return (loss, grads), aux
+
   def token_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
                        token_fn, token_args):
     """((loss, LoRA gradients), (log-probs, entropy)) of the weighted per-token loss
-    `token_fn` of `tokens` after their prompts, through the fused head: GRPO's objective
-    (`_grads`) and SFT's likelihood (`sft.SFTTrainer`)."""
-    def loss_fn(model):
-      hidden = completion_hidden(model, prompt, prompt_valid, tokens, mask, self.mesh)
+    `token_fn` of `tokens` after their prompts, through the fused head: GRPO's objective and
+    SFT's likelihood."""
+    def head(hidden, model):
       loss, logp, entropy = heads.fused_token_loss(
           hidden, model.embedding(), tokens, weights, token_fn, token_args,
           chunk=self.head_chunk, mesh=self.mesh, softcap=model.logit_softcap,
           temperature=self.temperature)
       return loss, (logp, entropy)
 
-    # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
-    # cannot update a module merged inside a plain jax transform (TraceContextError).
-    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam),
-                                 has_aux=True)
-    (loss, rows), grads = grad_fn(nnx.merge(self.graphdef, lora, base))
-    return (loss, grads), rows
+    return self.loss_grads(base, lora, prompt, prompt_valid, tokens, mask, head)
+
+  def sequence_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
+                          seq_fn, seq_args):
+    """((loss, LoRA gradients), (S, log-probs)) of `seq_fn(S, *seq_args)`, S each row's
+    weighted sum of its tokens' log-probs, through the fused head (`fused_sequence_loss`):
+    the preference losses."""
+    def head(hidden, model):
+      loss, s, logp, _ = heads.fused_sequence_loss(
+          hidden, model.embedding(), tokens, weights, seq_fn, seq_args, chunk=self.head_chunk,
+          mesh=self.mesh, softcap=model.logit_softcap, temperature=self.temperature)
+      return loss, (s, logp)
+
+    return self.loss_grads(base, lora, prompt, prompt_valid, tokens, mask, head)
 
   def _in_micro_batches(self, fn, params, tree, totals_like):
     """`fn(params, micro) -> (totals, rows)` over the batch `tree`: in one pass, or over the
@@ -246,3 +266,4 @@ class Stage:
   step: Callable[..., tuple]
   # (cfg, records, where) -> None: the stage's rule for its records, before any model loads
   check_records: Callable[..., None] | None = None
+  needs_teacher: bool = False  # distillation: `build(teacher=True)` loads the teacher

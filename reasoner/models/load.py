@@ -22,6 +22,14 @@ def check(m: ModelConfig) -> None:
     kaggle.resolve(m)
 
 
+def vocabulary(m: ModelConfig) -> tuple[str, int]:
+  """(the tokenizer's kind, the vocabulary's size) of model section `m`, read from its name
+  (nothing loaded): two models score the same tokens only where both agree."""
+  kind = "bytes" if m.tokenizer == "bytes" else m.name.split("-")[0].replace("tiny", "gemma3")
+  spec = gemma.model_spec(m)
+  return kind, spec.tunix_config.num_embed
+
+
 def load_model(m: ModelConfig, mesh: jax.sharding.Mesh, seed: int):
   """(tokenizer, spec, model) of model section `m`, its weights loaded into their shards."""
   if m.source == "embedded":

@@ -167,9 +167,9 @@ def policy_metrics(logp, old_logp, ref_logp, advantages, mask, sampler_logp, seq
                    obj: Objective) -> dict[str, jax.Array]:
   """Token means of where clipping binds, of the KL (beta > 0) and of the sampler IS weight
   (when on), and the sampler-trainer mismatch |log pi_old - log pi_sampler| (mean, max);
-  [R, N] inputs, [R] advantages and seq_log_ratio."""
-  unclipped, clipped = _surrogates(logp, old_logp, advantages[:, None],
-                                   seq_log_ratio[:, None], obj)
+  [R, N] inputs, [R] seq_log_ratio, advantages [R] or per token [R, N] (distillation's)."""
+  adv = advantages[:, None] if advantages.ndim == 1 else advantages
+  unclipped, clipped = _surrogates(logp, old_logp, adv, seq_log_ratio[:, None], obj)
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
   mean = lambda x: jnp.sum(x * m) / n
@@ -216,7 +216,7 @@ class Batch(NamedTuple):
   prompt_valid: jax.Array  # [B, P]
   completion: jax.Array  # [B * G, N] sampled tokens, rows grouped by prompt
   completion_mask: jax.Array  # [B * G, N] tokens the loss sees
-  advantages: jax.Array  # [B * G]
+  advantages: jax.Array  # [B * G], or [B * G, N] a token (distillation's)
   old_logp: jax.Array  # [B * G, N] pi_old by the trainer (mu > 1; unused when mu == 1)
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
   sampler_logp: jax.Array  # [B * G, N] the sampler's log-probs of its tokens
@@ -253,7 +253,7 @@ class GRPOTrainer(Trainer):
     """((loss, LoRA gradients), (log-probs, entropy)) of one (micro-)batch; `weights` [R, N]
     hold the whole batch's loss normalisation (`token_weights`), so losses and gradients of
     micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
-    row = lambda x: jnp.broadcast_to(x[:, None], batch.old_logp.shape)
+    row = lambda x: jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, batch.old_logp.shape)
     return self.token_loss_grads(
         base, lora, *batch[:4], weights, functools.partial(token_loss, obj=self.obj),
         (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
@@ -262,7 +262,7 @@ class GRPOTrainer(Trainer):
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     mask = batch.completion_mask
     weights = token_weights(mask, self.grpo.loss_agg)  # the whole batch's
-    seq = jnp.zeros(batch.advantages.shape, jnp.float32)
+    seq = jnp.zeros(batch.advantages.shape[:1], jnp.float32)
     if self.obj.sequence and not self.obj.on_policy:  # GSPO's row ratios need logp first
       now = self._completion_logprobs(base, state.lora, *batch[:4])
       seq = sequence_log_ratio(now, batch.old_logp, mask)
@@ -279,7 +279,8 @@ class GRPOTrainer(Trainer):
 
 def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout) -> Batch:
   """The rollout's groups with their advantages, placed on the mesh; pi_old from the trainer's
-  own forward (mu > 1) and the reference's log-probs (zeroed LoRA, beta > 0)."""
+  own forward (mu > 1) and the reference's log-probs (beta > 0: the base under the LoRA the
+  run started from, `setup.reference`, or under none)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   adv = np.asarray(group_advantages(jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
                                     ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
@@ -289,8 +290,8 @@ def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout
                                       batch["completion"], batch["completion_mask"])
   if cfg.grpo.num_iterations > 1:
     batch["old_logp"] = fwd(lora)
-  batch["ref_logp"] = (fwd(lora_lib.zeros_like(lora)) if cfg.grpo.beta > 0
-                       else jnp.zeros_like(batch["old_logp"]))
+  ref = setup.reference if setup.reference is not None else lora_lib.zeros_like(lora)
+  batch["ref_logp"] = fwd(ref) if cfg.grpo.beta > 0 else jnp.zeros_like(batch["old_logp"])
   return Batch(**batch)
 
 

@@ -26,28 +26,27 @@ Without libtpu (or with `--analytic`) the figures are an analytic estimate, and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import re
-import sys
-import tempfile
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
-from reasoner.build import build, judged
+from reasoner.build import build, judged, taught
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.engine import heads
 from reasoner.engine.sampler import Sampler, SamplingConfig
+from reasoner.engine.teacher import Teacher
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner.chips import CHIPS, Chip, collective_seconds
 from reasoner.planner.hlo import Cost, analyse
+from reasoner.planner import libtpu
 from reasoner.planner.layout import decode_layout
 from reasoner.rewards.judge import Judge
 
@@ -159,6 +158,18 @@ def judge_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
   return compile_plan(judge._probs, judge.abstract_inputs(), {}, "judge", n, n, chip), where
 
 
+def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
+  """One batch of distillation's teacher (`engine.teacher`: the log-probs of a rollout's B x G
+  completions) on its devices (the policy's, or its own `distill.devices`), and which."""
+  teacher = Teacher.abstract(setup)
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  b = cfg.train.batch_size
+  args = teacher.abstract_inputs(b, b * g, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+  where = f"{teacher.mesh.devices.size} chips" + (
+      ", the policy's" if teacher.mesh is setup.mesh else " of its own")
+  return compile_plan(teacher._fwd, args, {}, "teacher", b, b * g, chip), where
+
+
 def judge_batches(report: dict[str, Any]) -> int:
   """Judge batches a GRPO step scores (every completion of the rollout, at most)."""
   cfg = report["cfg"]
@@ -168,13 +179,15 @@ def judge_batches(report: dict[str, Any]) -> int:
 
 def step_seconds(report: dict[str, Any], rollout: str = "rollout") -> float:
   """A GRPO step's estimate: the rollout (`rollout`: which plan of it), the log-prob forwards
-  the objective needs (reference, old policy), the judge's batches and the train step."""
+  the objective needs (reference, old policy), the judge's batches, distillation's teacher and
+  the train step."""
   cfg, chip = report["cfg"], report["chip"]
   forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
-  ref, judge = report.get("logprobs"), report.get("judge")
+  ref, judge, teacher = report.get("logprobs"), report.get("judge"), report.get("teacher")
   return (report[rollout].seconds(chip) + report["train"].seconds(chip)
           + (forwards * ref.seconds(chip) if ref is not None else 0.0)
-          + (judge_batches(report) * judge.seconds(chip) if judge is not None else 0.0))
+          + (judge_batches(report) * judge.seconds(chip) if judge is not None else 0.0)
+          + (teacher.seconds(chip) if teacher is not None else 0.0))
 
 
 def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> StepPlan:
@@ -283,49 +296,6 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
 
 # ---------------------------------------------------------------------------------- a plan
 
-# What libtpu prints when it starts on a host without a TPU (a compile-only plan): expected
-# there, and read by users as a failure. Each pattern is one line; a trace ("=== Source Location
-# Trace: ===" and the paths under it) goes with the line before it.
-LIBTPU_NOISE = re.compile(
-    r"Failed to find host bounds for accelerator type: WARNING: could not determine TPU "
-    r"accelerator type|WARNING: Logging before InitGoogle\(\) is written to STDERR|"
-    r"[EW]\d{4} .*unexpected worker hostname 'WARNING: could not determine TPU worker")
-
-
-def quiet_lines(text: str) -> str:
-  """`text` without libtpu's start-up complaints on a host with no TPU (`LIBTPU_NOISE`, with
-  the traces under them); every other line, a real libtpu error's too, kept."""
-  kept, dropping = [], False
-  for line in text.splitlines(keepends=True):
-    trace = line.startswith("=== Source Location Trace") or (
-        dropping and re.match(r"\S+\.(cc|h):\d+\s*$", line))
-    dropping = bool(LIBTPU_NOISE.match(line)) or (dropping and bool(trace))
-    if not dropping:
-      kept.append(line)
-  return "".join(kept)
-
-
-@contextlib.contextmanager
-def libtpu_quiet():
-  """What is written to file descriptor 2 inside the block (libtpu logs there, beneath
-  Python) held, then written back through `quiet_lines`."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as held:
-    os.dup2(held.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      held.seek(0)
-      text = quiet_lines(held.read().decode(errors="replace"))
-      if text:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-
 def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip, str]:
   """(devices to compile for or None, the chip, how the figures are obtained)."""
   if topology == "cpu":
@@ -342,7 +312,7 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
 
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only; others may hold it
   try:
-    with libtpu_quiet():
+    with libtpu.quiet():
       devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
   except Exception as e:  # no libtpu, or an unknown shape
     return None, chip, (f"analytic estimate: could not compile for {topology} ({str(e)[:80]}); "
@@ -360,6 +330,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   n_dev = (len(devices) if devices is not None else
            math.prod(int(x) for x in shape.split("x")) if shape else len(jax.devices()))
   n_dev -= (cfg.judge.devices or 0) if judged(cfg) else 0  # the policy's share
+  n_dev -= (cfg.distill.devices or 0) if cfg.distill.teacher is not None else 0
   fsdp, tp = mesh_lib.mesh_shape(cfg.mesh, n_dev)
   check_mesh(cfg, fsdp)
   g = cfg.rollout.num_generations
@@ -368,7 +339,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
-    setup = build(cfg, abstract=True, devices=devices)
+    setup = build(cfg, abstract=True, devices=devices, teacher=taught(cfg))
     layout = decode_layout(setup, None if topology == "cpu" else chip.hbm, chip)
     measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
                "rollout": lambda u: rollout_plan(setup, u, chip, layout)}
@@ -392,7 +363,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
 def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None]) -> None:
   """The programs a GRPO step runs beside its train step and rollout, compiled: the log-prob
   forward (reference or old policy), the rollout on the training layout where another decodes,
-  and one judge batch."""
+  one judge batch, and distillation's teacher."""
   cfg, b, g = setup.cfg, setup.cfg.train.batch_size, setup.cfg.rollout.num_generations
   if cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1:
     log(f"  log-prob forward, {b} prompts x {g} ...")
@@ -403,6 +374,9 @@ def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None
   if judged(cfg):
     log(f"  judge, {cfg.judge.batch_size} prompts of {cfg.judge.max_tokens} tokens ...")
     report["judge"], report["judge_on"] = judge_plan(setup, chip)
+  if taught(cfg):
+    log(f"  teacher's log-probs, {b} prompts x {g} ...")
+    report["teacher"], report["teacher_on"] = teacher_plan(setup, chip)
 
 
 def _search(report: dict[str, Any], logged: Callable[..., StepPlan], fsdp: int) -> None:

@@ -57,6 +57,8 @@ def format_report(report: dict[str, Any]) -> str:
     n = judge_batches(report)
     lines.append(_row(j, chip) + f"  (on {report['judge_on']}; {n} batch{'es' * (n > 1)} a "
                  "step)")
+  if "teacher" in report:
+    lines.append(_row(report["teacher"], chip) + f"  (on {report['teacher_on']}; once a step)")
   for what, tried in report["tried"].items():
     best = report["largest"].get(what)
     name = "train micro-batch (one pass)" if what == "train" else "rollout batch"
@@ -75,6 +77,7 @@ def format_report(report: dict[str, Any]) -> str:
       lines.append(f"GRPO step ({name}): est. {step:.3g} s (rollout + "
                    + ("log-prob forwards + " * ("logprobs" in report))
                    + ("judge + " * ("judge" in report))
+                   + ("teacher + " * ("teacher" in report))
                    + f"train): at most {int(SESSION // step) if step else 0} steps in a "
                    f"{SESSION // 3600}-hour session")
   return "\n".join(lines)

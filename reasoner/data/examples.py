@@ -1,0 +1,137 @@
+"""Tokenised examples for the stages that learn from written responses (SFT's response, a
+preference pair's chosen and rejected), and their length-bucketed batches.
+
+An example is a record's prompt, rendered by `data.template` exactly as rollouts and evaluation
+render it, and one or more responses, each followed by the end-of-turn (chat) or
+end-of-sequence token: (prompt ids, response ids, ...). Batches sort examples by length
+(prompt bucket, then the longest response) within windows of `window` batches and pad each
+batch to its own longest prompt and response (rounded up to `bucket`), so that padding stays
+small and few shapes compile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reasoner.data import prompts as prompts_lib
+from reasoner.errors import DataError
+
+
+def stop_id(template: str, tokenizer) -> int:
+  """The token that ends a response: end of turn for the chat template, else end of sequence."""
+  return tokenizer.end_of_turn_id if template == "chat" and tokenizer.end_of_turn_id else (
+      tokenizer.eos_id)
+
+
+def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_response: int,
+           overlong: str, log=print, fields: tuple[str, ...] = ("response",),
+           stage: str = "sft", limit_key: str = "sft.max_response_tokens"
+           ) -> list[tuple[list[int], ...]]:
+  """(prompt ids with BOS, each of `fields`' ids with the stop token) of each record that fits;
+  the rest dropped with one line of counts, or refused ('error'), as data.overlong says."""
+  stop = stop_id(template, tokenizer)
+  out = []
+  for i, r in enumerate(records):
+    p = tokenizer.encode(prompts_lib.render(template, r["question"]), add_bos=True)
+    ys = [[*tokenizer.encode(r[f]), stop] for f in fields]
+    longest = max(map(len, ys))
+    if len(p) <= max_prompt and longest <= max_response:
+      out.append((p, *ys))
+    elif overlong == "error":
+      raise DataError(f"{stage}: record {i} has {len(p)} prompt and {longest} response tokens, "
+                      f"over data.max_prompt_tokens = {max_prompt} or {limit_key} = "
+                      f"{max_response} (data.overlong: error): {r['question'][:60]!r}")
+  if len(out) < len(records):
+    log(f"{stage}: dropped {len(records) - len(out)} of {len(records)} examples over "
+        f"data.max_prompt_tokens = {max_prompt} or {limit_key} = {max_response}")
+  return out
+
+
+class Batches:
+  """An endless, deterministic iterator of length-bucketed host batches. Epoch e shuffles the
+  examples (seed, e), sorts each window of `window` batches by length, cuts it into batches and
+  shuffles the epoch's batches; the state is the number of batches drawn (`get_state`), so a
+  resumed run draws exactly the batches it would have drawn. A batch holds `prompt`,
+  `prompt_valid` [B, P] (left-padded) and `response`, `response_mask` [B * k, N] (right-padded),
+  the k responses of each example in consecutive rows."""
+
+  def __init__(self, examples: list, batch_size: int, seed: int, window: int, bucket: int,
+               pad_id: int, stage: str = "SFT"):
+    if len(examples) < batch_size:
+      raise DataError(f"{stage.lower()}: {len(examples)} examples, fewer than "
+                      f"train.batch_size = {batch_size}")
+    self.examples, self.batch_size, self.seed = examples, batch_size, seed
+    self.window, self.bucket, self.pad_id, self.stage = window, bucket, pad_id, stage
+    self.per_epoch = len(examples) // batch_size
+    self.position, self._cached = 0, (None, None)
+
+  def _size(self, i: int) -> tuple[int, int]:
+    ex = self.examples[i]  # by prompt bucket, then the longest response
+    return math.ceil(len(ex[0]) / self.bucket), max(len(y) for y in ex[1:])
+
+  def epoch(self, e: int) -> np.ndarray:
+    """The batches of epoch e, as arrays of example indices."""
+    if self._cached[0] != e:
+      rng = np.random.default_rng([self.seed, e])
+      order = rng.permutation(len(self.examples))[:self.per_epoch * self.batch_size]
+      span = self.window * self.batch_size
+      order = np.concatenate([sorted(order[k:k + span], key=self._size)
+                              for k in range(0, len(order), span)])
+      batches = order.reshape(self.per_epoch, self.batch_size)
+      self._cached = (e, batches[rng.permutation(self.per_epoch)])
+    return self._cached[1]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    e, i = divmod(self.position, self.per_epoch)
+    self.position += 1
+    return self.pad([self.examples[j] for j in self.epoch(e)[i]])
+
+  def get_state(self) -> dict:
+    return {"position": self.position}
+
+  def set_state(self, state: dict) -> None:
+    if set(state) != {"position"}:
+      raise DataError(f"{self.stage.lower()}: the checkpoint's data state {sorted(state)} is "
+                      f"not {'an' if self.stage == 'SFT' else 'a'} {self.stage} run's")
+    self.position = int(state["position"])
+
+  def padding(self) -> float:
+    """The padded share of the tokens of the first epoch's batches."""
+    real = sum(sum(map(len, ex)) for ex in self.examples[:self.per_epoch * self.batch_size])
+    total = 0
+    for b in self.epoch(0):
+      width, n = widths([self.examples[j] for j in b], self.bucket)
+      total += len(b) * (width + n * (len(self.examples[b[0]]) - 1))
+    return 1.0 - real / total
+
+  def pad(self, examples: list) -> dict[str, np.ndarray]:
+    return pad(examples, self.pad_id, self.bucket)
+
+
+def widths(examples: list, bucket: int) -> tuple[int, int]:
+  """The longest prompt and the longest response of `examples`, rounded up to `bucket`."""
+  up = lambda n: math.ceil(n / bucket) * bucket
+  return up(max(len(ex[0]) for ex in examples)), up(max(len(y) for ex in examples
+                                                        for y in ex[1:]))
+
+
+def pad(examples: list, pad_id: int, bucket: int) -> dict[str, np.ndarray]:
+  """Host arrays of (prompt, response, ...) examples: `prompt`, `prompt_valid` [B, P]
+  left-padded; `response`, `response_mask` [B * k, N] right-padded, an example's k responses in
+  consecutive rows; both widths rounded up to `bucket`."""
+  width, n = widths(examples, bucket)
+  k = len(examples[0]) - 1
+  out = {"prompt": np.full((len(examples), width), pad_id, np.int32),
+         "prompt_valid": np.zeros((len(examples), width), bool),
+         "response": np.full((len(examples) * k, n), pad_id, np.int32),
+         "response_mask": np.zeros((len(examples) * k, n), bool)}
+  for e, (p, *ys) in enumerate(examples):
+    out["prompt"][e, width - len(p):], out["prompt_valid"][e, width - len(p):] = p, True
+    for j, y in enumerate(ys):
+      out["response"][e * k + j, :len(y)], out["response_mask"][e * k + j, :len(y)] = y, True
+  return out

@@ -1,0 +1,89 @@
+"""On-policy distillation (Agarwal et al. 2024, GKD; Lu and Thinking Machines 2025): the student
+(the policy) samples, a teacher scores every sampled token, and the per-token reverse KL
+
+    A_t = kl_coef * (log pi_teacher(y_t) - log pi_student(y_t))   [+ reward_weight * A_group]
+
+is each token's advantage in GRPO's clipped objective (`objectives.grpo`, one pass: the ratio is
+1, so the gradient is -A_t grad log pi_student(y_t), token-mean). A sampled token the teacher
+finds likelier than the student is pushed up, one it finds unlikely down: a dense signal where a
+reward says one number a completion. The student's log-probs are the sampler's (of the
+distribution it drew from); the teacher's come from one batched forward over prompt +
+completion on its own devices (`engine.teacher`), at the same temperature. With
+`distill.reward_weight` > 0 the run's rewards add their group advantage to every token of a row.
+
+Logged: distill/reverse_kl (the token mean of log pi_student - log pi_teacher, the quantity
+minimised), distill/teacher_logp, teacher_s (its forward's seconds), and the rollouts' rewards
+as GRPO logs them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reasoner import mesh as mesh_lib
+from reasoner.engine import rollout as rollout_lib, teacher as teacher_lib
+from reasoner.engine.trainer import Stage, check_finite
+from reasoner.objectives import grpo
+
+
+def token_advantages(student: np.ndarray, teacher: np.ndarray, mask: np.ndarray,
+                     rewards: np.ndarray, g: int, kl_coef: float, reward_weight: float,
+                     scale_rewards: bool = True, ddof: int = 0) -> np.ndarray:
+  """[R, N] advantages: kl_coef (teacher - student) on the sampled tokens, plus reward_weight
+  times each row's group advantage of `rewards` [R] (G rows a group); 0 off the mask."""
+  adv = kl_coef * (teacher - student)
+  if reward_weight:
+    group = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g, scale_rewards, ddof=ddof))
+    adv = adv + reward_weight * group[:, None]
+  return np.where(mask, adv, 0.0).astype(np.float32)
+
+
+def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: int):
+  """G samples of the next prompts by the student, the teacher's log-probs of their tokens, one
+  update on the per-token advantages: (state, metrics)."""
+  cfg, g = setup.cfg, setup.cfg.rollout.num_generations
+  t0 = time.perf_counter()
+  groups = rollout_lib.sample_round(setup, sampler, state.lora, next(data),
+                                    jax.random.fold_in(state.key, step))
+  b = len(groups.records)
+  chosen, trained = [(groups, i) for i in range(b)], [True] * b
+  host, rewards = rollout_lib.assemble(chosen, g, trained, setup.tokenizer.pad_id,
+                                       cfg.grpo.mask_truncated_completions)
+  t1 = time.perf_counter()
+  comps = groups.comps  # the teacher scores every sampled token, masked or not
+  teacher = setup.teacher.logprobs(host["prompt"], host["prompt_valid"], comps.tokens,
+                                   comps.mask)
+  teacher_s = time.perf_counter() - t1
+  student, mask = host["sampler_logp"], host["completion_mask"]
+  adv = token_advantages(student, teacher, mask, rewards, g, cfg.distill.kl_coef,
+                         cfg.distill.reward_weight, cfg.grpo.scale_rewards,
+                         1 if cfg.grpo.advantage_std == "sample" else 0)
+  arrays = {**host, "advantages": adv, "old_logp": student,
+            "ref_logp": np.zeros_like(student)}
+  batch = grpo.Batch(**{k: mesh_lib.put_batch(setup.mesh, arrays[k])
+                        for k in grpo.Batch._fields})
+  state, step_metrics = trainer.train_step(state, batch)
+  step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+  check_finite(step_metrics["loss"], step)
+  r = rollout_lib.Rollout(host, rewards, [groups], chosen, trained)
+  on = comps.mask
+  dt = time.perf_counter() - t0
+  return state, {**rollout_lib.metrics(r), **step_metrics,
+                 "distill/reverse_kl": float(((comps.logprobs - teacher) * on).sum() / on.sum()),
+                 "distill/teacher_logp": float((teacher * on).sum() / on.sum()),
+                 "teacher_s": teacher_s, "step_time_s": dt,
+                 "tokens_per_s": rollout_lib.tokens(r, g) / dt,
+                 "samples": rollout_lib.samples(r, g)}
+
+
+def check(cfg, records: list[dict], where: str) -> None:
+  """The teacher (`distill.*`), before any model loads (`engine.teacher.check`)."""
+  teacher_lib.check(cfg)
+
+
+STAGE = Stage("distill", grpo.GRPOTrainer, grpo.STAGE.batches, distill_step, check,
+              needs_teacher=True)
