@@ -9,7 +9,7 @@ BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
 
-.PHONY: setup train sft prefer distill eval sample test bench notebook rehearse clean
+.PHONY: setup train sft prefer distill general eval sample test bench notebook rehearse clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ prefer: $(STAMP)
 	  data.template=plain data.difficulty=medium data.num_eval=256 eval.batch_size=64 \
 	  train.run_name=medium_prefer_grpo train.eval_before=false rollout.temperature=1.0 \
 	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 $(ARGS)
+
+# A mixture of arithmetic and general prompts (data/general.jsonl), rewards by category, an
+# adaptive curriculum; the held-out mean reward printed by category before and after.
+general: $(STAMP)
+	$(PY) -m reasoner train --config configs/embedded_general.yaml $(ARGS)
 
 # On-policy distillation: a fresh LoRA on the plain prompt learns from `make sft`'s result.
 distill: $(STAMP)

@@ -16,10 +16,11 @@ from flax import nnx
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, check_mesh
-from reasoner.data import prompts, sources
+from reasoner.data import curriculum, prompts, sources
 from reasoner.engine import lora as lora_lib
 from reasoner.engine.teacher import Teacher
 from reasoner.models import gemma, load
+from reasoner.rewards import judge as judge_lib
 from reasoner.rewards.judge import Judge
 from reasoner.rewards.scoring import Rewards
 
@@ -90,6 +91,11 @@ def check(cfg: Config, devices: list | None = None,
   for where, records in (("the training data", train), ("the held-out data", held_out),
                          *((f"evaluation set '{k}'", v) for k, v in sets.items())):
     rewards.check(records, where)
+    if judged(cfg):
+      judge_lib.check_records(cfg.judge, records, where)
+  if judged(cfg):
+    judge_lib.check_agreement_records(cfg.judge, train + held_out, "the data")
+  curriculum.check(cfg.data, train, "the training data")
   if check_records is not None:
     check_records(cfg, train, "the training data")
   return Checked(split, mesh, rewards, train, held_out, sets)
@@ -115,8 +121,13 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   setup = Setup(cfg, c.mesh, tokenizer, graphdef, lora, base, c.rewards, train, held_out, spec,
                 sets, c.devices)
   if judged(cfg):
-    c.rewards.bind("judge", Judge.for_run(setup) if c.devices.judge is None else Judge.own(
-        cfg.judge, c.devices.judge, cfg.train.seed))
+    judge = Judge.for_run(setup) if c.devices.judge is None else Judge.own(
+        cfg.judge, c.devices.judge, cfg.train.seed)
+    if cfg.judge.check:
+      a = judge_lib.check(judge, c.train + c.held_out)
+      log.info("judge.check: %.2f of its calls right on %d records (at least %.2f needed)",
+               a["agreement"], a["n"], cfg.judge.min_agreement)
+    c.rewards.bind("judge", judge)
   if teacher:
     setup.teacher = Teacher.for_run(setup, c.devices.teacher)
   return setup

@@ -5,8 +5,11 @@ accuracy (the most frequent extracted answer against the reference).
 
 Each evaluation covers the held-out split (logged as eval/<metric>) and every named set of
 `eval.sets` (eval/<name>/<metric>; its figures also under "sets" in the held-out result).
-`python -m reasoner eval` runs `eval_only` (and `sample` prints completions for one question);
-the training loop logs `evaluate_all` before, every `train.eval_every` steps and after training.
+Where the records have categories, the mean reward of each (`mean_reward/<category>`); where
+the run has a judge, the trained model's win rate against the model before training, judged
+pairwise in both orders (`win_rate`, and by category). `python -m reasoner eval` runs
+`eval_only` (and `sample` prints completions for one question); the training loop logs
+`evaluate_all` before, every `train.eval_every` steps and after training.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from reasoner.engine.checkpoint import restore_lora
 from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler, SamplingConfig
 from reasoner.rewards import builtin as rewards_lib
+from reasoner.rewards.judge import Judge
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -59,19 +63,28 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
     prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
     comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
     answers = [r["answer"] for r in chunk]
-    total, _ = setup.rewards(prompts, comps.texts, answer=answers,
-                             category=[r.get("category") for r in chunk],
-                             question=[r["question"] for r in chunk])
+    total, _ = setup.rewards.score(prompts, comps.texts, chunk)
     totals += total.tolist()
     correct += rewards_lib.accuracy(comps.texts, answers).tolist()
     fmt += rewards_lib.format_exact(prompts, comps.texts)
-    rows += [{"question": r["question"], "answer": r["answer"], "completion": t,
-              "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
+    rows += [{"question": r["question"], "answer": r["answer"], "category": r.get("category"),
+              "completion": t, "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
   result = {"mean_reward": float(np.mean(totals)), "accuracy": rewards_lib.nan_mean(correct),
-            "format_rate": float(np.mean(fmt)), "n": len(records)}
+            "format_rate": float(np.mean(fmt)), "n": len(records),
+            **by_category(totals, [r.get("category") for r in records])}
   if cfg.eval.samples:
     result.update(sampled(setup, sampler, lora, records))
   return result, rows
+
+
+def by_category(totals: list[float], categories: list) -> dict[str, float]:
+  """`mean_reward/<category>` for each category, where the records have two or more (a judge's
+  rubric scores, category by category, as the people judging see them)."""
+  names = sorted({c for c in categories if c})
+  if len(names) < 2:
+    return {}
+  totals, categories = np.asarray(totals), np.asarray(categories, object)
+  return {f"mean_reward/{c}": float(totals[categories == c].mean()) for c in names}
 
 
 def sampled(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> dict:
@@ -109,21 +122,54 @@ def print_eval(tag: str, result: dict, rows: list, n_samples: int, name: str = "
   tqdm.write(f"[{tag}] {name} ({result['n']}): mean reward {result['mean_reward']:.3f}  "
              f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}"
              f"{extra}")
+  for what in ("mean_reward", "win_rate"):
+    cats = [f"{k.split('/', 1)[1]} {v:.3f}" for k, v in result.items()
+            if k.startswith(f"{what}/")]
+    if cats:
+      tqdm.write(f"  {what.replace('_', ' ')} by category: {', '.join(cats)}")
+  if "win_rate" in result:
+    tqdm.write(f"  win rate against the model before training (the judge, both orders, "
+               f"{result['win_rate_n']} questions): {result['win_rate']:.3f}")
   for r in rows[:n_samples]:
     tqdm.write(f"  Q: {r['question']}\n  A: {r['completion']!r}  (reward {r['reward']:.2f}, "
                f"reference {r['answer']})")
 
 
+def win_rate(setup: Setup, rows: list[dict], versus: list[dict]) -> dict[str, float]:
+  """`win_rate` (and `win_rate/<category>`): the judge's mean probability that each of `rows`'
+  completions beats `versus`' for the same question (`Judge.pairwise`, both orders); {} where
+  the run has no judge or no completion to compare, and on several hosts (the completions
+  before training are in process 0's samples.jsonl alone, and the judge's forward spans them
+  all)."""
+  if jax.process_count() > 1:
+    return {}
+  judge = next((f for f in setup.rewards.fns if isinstance(f, Judge)), None)
+  theirs = {r["question"]: r["completion"] for r in versus}
+  rows = [r for r in rows if r["question"] in theirs]
+  if judge is None or not rows:
+    return {}
+  p = judge.pairwise([r["completion"] for r in rows], [theirs[r["question"]] for r in rows],
+                     [r["question"] for r in rows], [r["answer"] for r in rows])
+  cats = np.asarray([r.get("category") for r in rows], object)
+  return {"win_rate": float(p.mean()), "win_rate_n": len(rows),
+          **{f"win_rate/{c}": float(p[cats == c].mean())
+             for c in sorted({c for c in cats if c}) if len(set(cats) - {None}) > 1}}
+
+
 def evaluate_all(setup: Setup, sampler: Sampler, lora, tag: str,
-                 writer: MetricsWriter | None = None, step: int = 0) -> dict:
+                 writer: MetricsWriter | None = None, step: int = 0,
+                 versus: list[dict] | None = None) -> dict:
   """The held-out split and each named set evaluated, printed (the held-out's first samples
   too) and, with `writer`, logged with their completions. The held-out result, with the named
-  sets' under "sets"."""
+  sets' under "sets". `versus`: another model's held-out completions (the model before
+  training's), which the judge compares with these (`win_rate`)."""
   sets = {"held-out": setup.eval_records, **setup.eval_sets}
   out = {}
   for name, records in sets.items():
     result, rows = evaluate(setup, sampler, lora, records)
     held_out = name == "held-out"
+    if held_out and versus:
+      result.update(win_rate(setup, rows, versus))
     print_eval(tag, result, rows, setup.cfg.train.num_log_samples if held_out else 0, name)
     if writer is not None:
       prefix = "eval/" if held_out else f"eval/{name}/"

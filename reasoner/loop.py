@@ -151,7 +151,7 @@ class Run:
   def evaluate_after(self) -> dict:
     tag = f"step-{self.step}" if self.stopped else "after"
     self.results["after"] = evaluate_all(self.setup, self.sampler, self.state.lora, tag,
-                                         self.writer, self.step)
+                                         self.writer, self.step, self.writer.rows("eval-before"))
     self.writer.write_json("eval.json", {k: v for k, v in self.results.items()
                                          if k != "stopped"})
     before = self.results.get("before")

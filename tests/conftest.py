@@ -29,3 +29,24 @@ def shard_fraction(arr) -> float:
 
   shard = arr.addressable_shards[0].data
   return math.prod(shard.shape) / max(1, math.prod(arr.shape))
+
+
+def dense_grade_probs(model, tokenizer, texts, grades):
+  """[n, K] a judge's probabilities of the K one-token `grades` among themselves after each
+  text: one prompt at a time, no padding, from the full vocabulary's logits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from reasoner.engine import heads
+  from reasoner.models.cache import causal_mask, positions_from_mask
+
+  ids = jnp.asarray([tokenizer.encode(g)[0] for g in grades])
+  out = []
+  for text in texts:
+    tokens = jnp.asarray([tokenizer.encode(text, add_bos=True)])
+    valid = jnp.ones_like(tokens, bool)
+    h, _ = model.hidden_states(tokens, positions_from_mask(valid), None, causal_mask(valid))
+    z = heads.logits(h[:, -1], model.embedding(), model.logit_softcap)[0]
+    out.append(np.asarray(jax.nn.softmax(z[ids])))
+  return np.stack(out)

@@ -32,7 +32,7 @@ def test_local_files_with_configured_fields(tmp_path):
     train, held = sources.load_splits(cfg)
     assert len(train) == 7 and held[-1] == {"question": "what is 9+9?", "answer": "18",
                                             "category": None, "response": None,
-                                            "chosen": None, "rejected": None}
+                                            "chosen": None, "rejected": None, "rubric": None}
   with pytest.raises(sources.DataError, match="has no field 'question'"):
     sources.load_splits(DataConfig(source="jsonl", path=str(jl)))
 
@@ -120,7 +120,8 @@ def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
   got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
                            "data.path")
   assert got == [{"question": "Name a colour.", "answer": None, "category": "ideas",
-                  "response": "Blue.", "chosen": None, "rejected": None}]
+                  "response": "Blue.", "chosen": None, "rejected": None,
+                  "rubric": None}]
   path.write_text(json.dumps(rows[1]))
   cfg = DataConfig(source="jsonl", path=str(path), question_field="prompt",
                    response_field="reply")

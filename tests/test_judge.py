@@ -4,16 +4,14 @@ routed by category, and its settings refused in one line."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_config
-from reasoner.engine import heads, lora as lora_lib
+from conftest import ROOT, dense_grade_probs, tiny_config
+from reasoner.engine import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.rewards.judge import Judge
-from reasoner.models.cache import causal_mask, positions_from_mask
 
 RUBRIC = "Rate 1-5.\nQ: {question}\nA: {response}\nRef: {reference}\nGrade (1, 2, 3, 4, 5): "
 MIXED = ("data.source=jsonl", f"data.path={ROOT / 'data/mixed.jsonl'}", "data.num_eval=2",
@@ -42,16 +40,8 @@ def test_grade_is_the_expected_grade_of_a_dense_forward(setup):
 
 
 def _dense_grades(model, tokenizer, texts):
-  """One prompt at a time, no padding, the full vocabulary's logits: the expected grade."""
-  grade_ids = jnp.asarray([tokenizer.encode(g)[0] for g in "12345"])
-  out = []
-  for text in texts:
-    ids = jnp.asarray([tokenizer.encode(text, add_bos=True)])
-    valid = jnp.ones_like(ids, bool)
-    h, _ = model.hidden_states(ids, positions_from_mask(valid), None, causal_mask(valid))
-    z = heads.logits(h[:, -1], model.embedding(), model.logit_softcap)[0]
-    out.append(float(jax.nn.softmax(z[grade_ids]) @ jnp.arange(5.0) / 4))
-  return out
+  """The expected grade, 0-1, from the grade tokens' dense probabilities."""
+  return dense_grade_probs(model, tokenizer, texts, "12345") @ np.arange(5) / 4
 
 
 def test_a_judge_of_its_own_lives_on_the_last_four_devices():

@@ -163,7 +163,8 @@ def test_the_step_equals_a_dense_forward_and_ignores_what_the_masks_leave_out(se
                                     batch.response_mask)
     return preference.dense_loss(tok, batch.response_mask, batch.ref_logp, trainer.obj)
 
-  want, want_g = nnx.value_and_grad(dense, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+  # jitted: one program, not hundreds of eager ones each with its own 8-device rendezvous
+  want, want_g = nnx.jit(nnx.value_and_grad(dense, argnums=nnx.DiffState(0, nnx.LoRAParam)))(
       setup.model(lora))
   assert float(loss_v) == pytest.approx(float(want), rel=1e-4)
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_g))
@@ -190,14 +191,18 @@ def test_micro_batches_give_the_one_pass_update(setup):
     host["ref_logp"] = trainer.reference(None, setup.lora, host)
     batch = preference.PairBatch(**{k: mesh_lib.put_batch(setup.mesh, host[k])
                                     for k in preference.PairBatch._fields})
-    state = trainer.init_state(jax.tree.map(jnp.copy, setup.lora), jax.random.PRNGKey(0))
+    # away from the reference, so that the logged rewards are not rounding noise
+    state = trainer.init_state(jax.tree.map(lambda x: x + 0.05, setup.lora),
+                               jax.random.PRNGKey(0))
     state, metrics = trainer.train_step(state, batch)
     out[micro] = (jax.tree.map(np.asarray, state.lora), {k: float(v) for k, v in
                                                         metrics.items()})
   for k, v in out[None][1].items():
     assert out[2][1][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+  # Adam's first step is about lr * g / |g| an element (lr 1e-3): rounding in a small gradient
+  # moves its element by a small share of lr
   for a, b in zip(jax.tree.leaves(out[2][0]), jax.tree.leaves(out[None][0])):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_policy_pairs_pair_the_best_with_the_worst():

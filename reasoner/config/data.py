@@ -9,13 +9,13 @@ from typing import Literal
 from reasoner.config.typed import fail as _fail
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
-  """Where questions and reference answers come from, and how prompts are written."""
+Source = Literal["arithmetic", "jsonl", "parquet", "gsm8k"]
 
-  source: Literal["arithmetic", "jsonl", "parquet", "gsm8k"] = "arithmetic"
-  path: str | None = None  # file for jsonl / parquet
-  eval_path: str | None = None  # held-out file; default: the last num_eval records of `path`
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fields:
+  """The names of a file record's fields (data.*, data.mixture[], eval.sets[])."""
+
   question_field: str = "question"
   answer_field: str = "answer"  # optional in a record: the reference answer
   category_field: str = "category"  # optional in a record: routes rewards (rewards[].categories)
@@ -25,6 +25,83 @@ class DataConfig:
   # `messages` lists ending in the model's turn)
   chosen_field: str = "chosen"
   rejected_field: str = "rejected"
+  # optional in a record: the judge's criteria for it, a list of {criterion, weight} (negative
+  # weights are pitfalls) or of strings (weight 1); records without one get `judge.rubric`
+  rubric_field: str = "rubric"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureSource(Fields):
+  """One source of a mixture (`data.mixture`): its records are drawn in proportion to `weight`
+  (grain's weighted mix), each keeping its category; `num_eval` of them are held out."""
+
+  name: str
+  weight: float = 1.0
+  source: Source = "jsonl"
+  path: str | None = None
+  eval_path: str | None = None
+  num_eval: int = 16
+  category: str | None = None  # for its records that name none (e.g. math for the arithmetic)
+  difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
+
+  def __post_init__(self):
+    key = f"data.mixture[{self.name}]"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+      _fail("data.mixture[].name", self.name, "letters, digits, '_', '.' or '-'")
+    if not self.weight > 0:
+      _fail(f"{key}.weight", self.weight, "a positive number (its share of the draws)")
+    if self.source in ("jsonl", "parquet") and not self.path:
+      _fail(f"{key}.path", self.path, f"a file path when its source is '{self.source}'")
+    if self.num_eval < 0:
+      _fail(f"{key}.num_eval", self.num_eval, "0 or a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phase:
+  """From step `from_step` on, the records whose curriculum field is one of `values`."""
+
+  from_step: int
+  values: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CurriculumConfig:
+  """Which records the RL stages draw, step by step (data/curriculum.py): by a record field on a
+  schedule, and/or adaptively, prompts solved in every sample or in none set aside a while."""
+
+  field: str | None = None  # a record field, e.g. difficulty; records without it always drawn
+  schedule: tuple[Phase, ...] = ()  # [{from_step: 0, values: [easy]}, {from_step: 50, ...}]
+  set_aside_steps: int = 0  # adaptive: 0 off; N: a prompt solved or failed by all G, N steps out
+  solved_at: float = 1.0  # a group solves its prompt when every reward is at least this
+  failed_at: float = 0.0  # and fails it when every reward is at most this
+
+  def __post_init__(self):
+    if (self.field is None) != (not self.schedule):
+      _fail("data.curriculum.field", self.field, "a field together with a schedule, or "
+            "neither")
+    steps = [p.from_step for p in self.schedule]
+    if self.schedule and (steps[0] != 0 or steps != sorted(set(steps))):
+      _fail("data.curriculum.schedule", steps, "phases from step 0 on, in increasing order")
+    for k, p in enumerate(self.schedule):
+      if not p.values:
+        _fail(f"data.curriculum.schedule[{k}].values", list(p.values), "one value or more")
+    if self.set_aside_steps < 0:
+      _fail("data.curriculum.set_aside_steps", self.set_aside_steps, "0 (off) or more")
+    if not self.schedule and not self.set_aside_steps:
+      _fail("data.curriculum", "{}", "a field and schedule, set_aside_steps, or both (or null)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig(Fields):
+  """Where questions and reference answers come from, and how prompts are written."""
+
+  source: Source = "arithmetic"
+  path: str | None = None  # file for jsonl / parquet
+  eval_path: str | None = None  # held-out file; default: the last num_eval records of `path`
+  # several sources, drawn by weight (source and path then unused): [{name, weight, source,
+  # path, category, ...}, ...]
+  mixture: tuple[MixtureSource, ...] | None = None
+  curriculum: CurriculumConfig | None = None  # the RL stages' order (data/curriculum.py)
   num_train: int = 2000  # arithmetic: problems generated for training
   num_eval: int = 64  # held-out problems
   seed: int = 0
@@ -36,7 +113,14 @@ class DataConfig:
   overlong: Literal["drop", "error"] = "drop"  # prompts over max_prompt_tokens, found at load
 
   def __post_init__(self):
-    if self.source in ("jsonl", "parquet") and not self.path:
+    if self.mixture is not None:
+      names = [m.name for m in self.mixture]
+      if not names or len(set(names)) < len(names):
+        _fail("data.mixture", names, "a list of sources with distinct names")
+      if self.path or self.eval_path:
+        _fail("data.path", self.path or self.eval_path, "null when data.mixture is set (each "
+              "source names its own path)")
+    elif self.source in ("jsonl", "parquet") and not self.path:
       _fail("data.path", self.path, f"a file path when data.source is '{self.source}'")
     for f in ("num_train", "num_eval", "max_prompt_tokens"):
       if getattr(self, f) < 1:
@@ -45,16 +129,13 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalSet:
+class EvalSet(Fields):
   """A named evaluation set beside the held-out split, e.g. a benchmark's test file:
   {name: gsm8k, source: gsm8k} or {name: mine, source: jsonl, path: eval.jsonl, num: 200}."""
 
   name: str
-  source: Literal["arithmetic", "jsonl", "parquet", "gsm8k"]
+  source: Source
   path: str | None = None  # file for jsonl / parquet
-  question_field: str = "question"
-  answer_field: str = "answer"
-  category_field: str = "category"
   num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
 

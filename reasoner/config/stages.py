@@ -228,6 +228,15 @@ DEFAULT_RUBRIC = (
     "(poor), 2, 3, 4 or 5 (excellent). A reference answer, where given, is correct.\n\n"
     "Question: {question}\nReference answer: {reference}\nResponse: {response}\n\n"
     "Grade (1, 2, 3, 4 or 5): ")
+DEFAULT_CRITERION = (
+    "Does the response below meet the criterion? A reference answer, where given, is correct."
+    "\n\nQuestion: {question}\nReference answer: {reference}\nResponse: {response}\n\n"
+    "Criterion: {criterion}\n\nAnswer Yes or No: ")
+DEFAULT_PAIRWISE = (
+    "Which of two responses to a question is better, for the quality of its reasoning and of "
+    "its answer? A reference answer, where given, is correct.\n\nQuestion: {question}\n"
+    "Reference answer: {reference}\n\nResponse A: {first}\n\nResponse B: {second}\n\n"
+    "The better response (A or B): ")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -246,6 +255,21 @@ class JudgeConfig:
   grades: tuple[str, ...] = ("1", "2", "3", "4", "5")  # worst to best, one token each
   batch_size: int = 16
   max_tokens: int = 1024  # of a rubric prompt, its end kept
+  # per-record rubrics (data.rubric_field): each criterion a prompt of its own ({criterion} as
+  # well), read as the probability of the second of `criterion_grades` (no, yes; one token each)
+  criterion_prompt: str = DEFAULT_CRITERION
+  criterion_grades: tuple[str, ...] = ("No", "Yes")
+  # the most criteria a record's rubric may have: a completion costs the judge at most this many
+  # rows (`reasoner plan` counts them); 0: the records carry no rubrics
+  max_criteria: int = 0
+  # the evaluation's win rate against the model before training: two responses in a prompt,
+  # read as the probabilities of `pairwise_grades` (first better, second better), both orders
+  pairwise_prompt: str = DEFAULT_PAIRWISE
+  pairwise_grades: tuple[str, ...] = ("A", "B")
+  # before a run uses the judge: does it rank the records' own responses above another
+  # question's and junk (`rewards.judge.agreement`)? Below min_agreement the run stops
+  check: bool = False
+  min_agreement: float = 0.75
 
   def __post_init__(self):
     if len(self.grades) < 2 or len(set(self.grades)) < len(self.grades):
@@ -258,6 +282,22 @@ class JudgeConfig:
     for f in ("batch_size", "max_tokens"):
       if getattr(self, f) < 1:
         _fail(f"judge.{f}", getattr(self, f), "a positive integer")
+    if not 0 < self.min_agreement <= 1:
+      _fail("judge.min_agreement", self.min_agreement, "a share in (0, 1]")
+    if self.max_criteria < 0:
+      _fail("judge.max_criteria", self.max_criteria, "0 (no rubrics) or a positive integer")
+    if len(self.criterion_grades) != 2 or len(set(self.criterion_grades)) != 2:
+      _fail("judge.criterion_grades", list(self.criterion_grades),
+            "two distinct one-token answers, no then yes")
+    if len(self.pairwise_grades) != 2 or len(set(self.pairwise_grades)) != 2:
+      _fail("judge.pairwise_grades", list(self.pairwise_grades),
+            "two distinct one-token answers, the first response then the second")
+    if "{first}" not in self.pairwise_prompt or "{second}" not in self.pairwise_prompt:
+      short = self.pairwise_prompt[:60] + "..." * (len(self.pairwise_prompt) > 60)
+      _fail("judge.pairwise_prompt", short, "a text with {first} and {second}")
+    if "{response}" not in self.criterion_prompt or "{criterion}" not in self.criterion_prompt:
+      short = self.criterion_prompt[:60] + "..." * (len(self.criterion_prompt) > 60)
+      _fail("judge.criterion_prompt", short, "a text with {response} and {criterion}")
     if self.devices is not None and (self.devices < 1 or self.model is None):
       _fail("judge.devices", self.devices, "null (the policy's devices), or a positive number "
             "of devices for a judge.model of its own (self is the policy's own weights)")

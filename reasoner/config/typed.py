@@ -65,6 +65,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if value is None and type(None) in args:
       return None
     options = [a for a in args if a is not type(None)]
+    if len(options) == 1 and value is not None:  # X | None: X's own message, naming the key
+      return _coerce(options[0], value, key)
     errors = []
     for a in options:
       try:

@@ -71,5 +71,5 @@ def generate(num_train: int, num_eval: int, seed: int, difficulty: str = "easy"
     p = _problem(rng, difficulty)
     if p["question"] not in seen:
       seen.add(p["question"])
-      out.append(p)
+      out.append({**p, "difficulty": difficulty})
   return out[:num_train], out[num_train:]

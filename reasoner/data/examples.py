@@ -27,10 +27,11 @@ def stop_id(template: str, tokenizer) -> int:
 
 def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_response: int,
            overlong: str, log=print, fields: tuple[str, ...] = ("response",),
-           stage: str = "sft", limit_key: str = "sft.max_response_tokens"
-           ) -> list[tuple[list[int], ...]]:
+           stage: str = "sft", limit_key: str = "sft.max_response_tokens",
+           kept: list[int] | None = None) -> list[tuple[list[int], ...]]:
   """(prompt ids with BOS, each of `fields`' ids with the stop token) of each record that fits;
-  the rest dropped with one line of counts, or refused ('error'), as data.overlong says."""
+  the rest dropped with one line of counts, or refused ('error'), as data.overlong says. `kept`
+  (a list) receives the kept records' indices."""
   stop = stop_id(template, tokenizer)
   out = []
   for i, r in enumerate(records):
@@ -39,6 +40,8 @@ def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_r
     longest = max(map(len, ys))
     if len(p) <= max_prompt and longest <= max_response:
       out.append((p, *ys))
+      if kept is not None:
+        kept.append(i)
     elif overlong == "error":
       raise DataError(f"{stage}: record {i} has {len(p)} prompt and {longest} response tokens, "
                       f"over data.max_prompt_tokens = {max_prompt} or {limit_key} = "
@@ -51,20 +54,23 @@ def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_r
 
 class Batches:
   """An endless, deterministic iterator of length-bucketed host batches. Epoch e shuffles the
-  examples (seed, e), sorts each window of `window` batches by length, cuts it into batches and
+  examples (seed, e) (a mixture's epoch draws its examples by their sources' weights instead,
+  `sources.draw_weights`), sorts each window of `window` batches by length, cuts it into batches and
   shuffles the epoch's batches; the state is the number of batches drawn (`get_state`), so a
   resumed run draws exactly the batches it would have drawn. A batch holds `prompt`,
   `prompt_valid` [B, P] (left-padded) and `response`, `response_mask` [B * k, N] (right-padded),
   the k responses of each example in consecutive rows."""
 
   def __init__(self, examples: list, batch_size: int, seed: int, window: int, bucket: int,
-               pad_id: int, stage: str = "SFT"):
+               pad_id: int, stage: str = "SFT", weights: np.ndarray | None = None):
     if len(examples) < batch_size:
       raise DataError(f"{stage.lower()}: {len(examples)} examples, fewer than "
                       f"train.batch_size = {batch_size}")
     self.examples, self.batch_size, self.seed = examples, batch_size, seed
     self.window, self.bucket, self.pad_id, self.stage = window, bucket, pad_id, stage
     self.per_epoch = len(examples) // batch_size
+    # a mixture's: each example's chance of a draw (`sources.draw_weights`); None: each once
+    self.p = None if weights is None else np.asarray(weights, np.float64) / np.sum(weights)
     self.position, self._cached = 0, (None, None)
 
   def _size(self, i: int) -> tuple[int, int]:
@@ -75,7 +81,9 @@ class Batches:
     """The batches of epoch e, as arrays of example indices."""
     if self._cached[0] != e:
       rng = np.random.default_rng([self.seed, e])
-      order = rng.permutation(len(self.examples))[:self.per_epoch * self.batch_size]
+      n = self.per_epoch * self.batch_size
+      order = (rng.permutation(len(self.examples))[:n] if self.p is None
+               else rng.choice(len(self.examples), n, p=self.p))
       span = self.window * self.batch_size
       order = np.concatenate([sorted(order[k:k + span], key=self._size)
                               for k in range(0, len(order), span)])

@@ -1,7 +1,8 @@
 """Records from the configured source, and the grain training pipeline.
 
 A record is {'question': str, 'answer': str | None, 'category': str | None, 'response':
-str | None, 'chosen': str | None, 'rejected': str | None}: the reference answer, the category,
+str | None, 'chosen': str | None, 'rejected': str | None, 'rubric': tuple | None} (and, in a
+mixture, 'source': its source's name): the reference answer, the category,
 the response (SFT's target) and a preference pair (chosen, rejected) are optional in a file
 (rewards that need an answer, and routing by category, are checked against the records in
 `rewards.scoring.Rewards.check`, responses and pairs by their stage's check, before any model
@@ -12,6 +13,7 @@ a list (TRL's conversational format), the question taken from its user turn.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -21,6 +23,7 @@ from typing import Any
 import grain
 
 from reasoner.config import DataConfig, EvalSet
+from reasoner.config.data import Fields
 from reasoner.errors import DataError
 from reasoner.data import arithmetic
 
@@ -47,6 +50,8 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
       rows = pq.read_table(p).to_pylist()
     except Exception as e:  # pyarrow raises several types for unreadable files
       raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+  curriculum = getattr(cfg, "curriculum", None)
+  level = curriculum.field if curriculum is not None else None  # a curriculum's field, kept
   out = []
   for i, row in enumerate(rows):
     if "messages" in row and cfg.question_field not in row:
@@ -63,11 +68,40 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
     out.append({"question": str(row[cfg.question_field]),
                 "answer": None if answer is None else _final_answer(str(answer)),
                 "category": None if category is None else str(category),
+                "rubric": rubric(row.get(cfg.rubric_field), f"{path}: record {i}",
+                                 f"{section}.rubric_field"),
                 **{k: _text(row, getattr(cfg, f"{k}_field", None))
-                   for k in ("response", "chosen", "rejected")}})
+                   for k in ("response", "chosen", "rejected")},
+                **({level: str(row[level])} if level and row.get(level) is not None else {})})
   if not out:
     raise DataError(f"{path}: no records")
   return out
+
+
+def rubric(value, where: str, key: str) -> tuple[tuple[str, float], ...] | None:
+  """A record's rubric as ((criterion, weight), ...): a list of strings (weight 1) or of
+  mappings with a `criterion` (or Rubrics as Rewards' `description` / `title`) and a `weight`,
+  negative for a pitfall. One positive weight at least, else nothing could be earned."""
+  if value is None:
+    return None
+  bad = lambda why: DataError(f"{where}: its rubric ({key}) {why}")
+  if not isinstance(value, (list, tuple)) or not value:
+    raise bad("is not a list of criteria")
+  out = []
+  for j, item in enumerate(value):
+    if isinstance(item, str):
+      item = {"criterion": item}
+    text = isinstance(item, dict) and next(
+        (item[k] for k in ("criterion", "description", "title") if item.get(k)), None)
+    weight = item.get("weight", 1.0) if isinstance(item, dict) else None
+    if not isinstance(text, str) or isinstance(weight, bool) or not isinstance(
+        weight, (int, float)):
+      raise bad(f"criterion {j} = {item!r}: expected a text, or {{criterion: text, weight: "
+                "number}")
+    out.append((text, float(weight)))
+  if not any(w > 0 for _, w in out):
+    raise bad(f"has no positive weight ({[w for _, w in out]}): a response could earn nothing")
+  return tuple(out)
 
 
 def _text(row: dict, field: str | None) -> str | None:
@@ -121,20 +155,53 @@ def gsm8k_record(row: dict) -> dict:
           "response": f"<reasoning>{steps}</reasoning>\n<answer>{final}</answer>"}
 
 
-def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-  """(train, held_out) records. Fails fast, before any model is loaded."""
+def load_splits(cfg: DataConfig, key: str = "data") -> tuple[list[dict], list[dict]]:
+  """(train, held_out) records (`key`: the config section, for messages). Fails fast, before
+  any model is loaded."""
+  if cfg.mixture is not None:
+    return _mixture(cfg)
   if cfg.source == "arithmetic":
     return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty)
   if cfg.source == "gsm8k":
     train, test = _gsm8k()
     return train, test[:cfg.num_eval]
-  train = _read_file(cfg.path, cfg.source, cfg, "data.path")
+  train = _read_file(cfg.path, cfg.source, cfg, f"{key}.path")
   if cfg.eval_path:
-    return train, _read_file(cfg.eval_path, cfg.source, cfg, "data.eval_path")[:cfg.num_eval]
+    return train, _read_file(cfg.eval_path, cfg.source, cfg, f"{key}.eval_path")[:cfg.num_eval]
   if len(train) < 2:
     raise DataError(f"{cfg.path}: {len(train)} record(s); need at least 2 to hold one out")
   n_eval = min(cfg.num_eval, len(train) // 2)
   return train[:-n_eval], train[-n_eval:]
+
+
+def _mixture(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+  """Each source's (train, held-out) split, its records tagged with its name (`source`) and,
+  where they name none, its category; the held-out records of all sources together."""
+  train, held_out = [], []
+  for m in cfg.mixture:
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(Fields)}
+    one = dataclasses.replace(cfg, mixture=None, source=m.source, path=m.path,
+                              eval_path=m.eval_path, num_eval=max(m.num_eval, 1),
+                              difficulty=m.difficulty, **fields)
+    t, h = load_splits(one, f"data.mixture[{m.name}]")
+    tag = lambda rs: [{**r, "source": m.name, "category": r.get("category") or m.category}
+                      for r in rs]
+    if m.num_eval == 0:  # nothing held out: a file's every record trains
+      t, h = t + h if m.source in ("jsonl", "parquet") and m.eval_path is None else t, []
+    if not t:
+      raise DataError(f"config key 'data.mixture[{m.name}]': no training records")
+    train, held_out = train + tag(t), held_out + tag(h[:m.num_eval])
+  return train, held_out
+
+
+def draw_weights(records: list[dict], mixture) -> list[float] | None:
+  """Each record's chance of a draw, so that source k gives a share w_k / sum w of the draws
+  (records of a source alike); None without a mixture."""
+  if mixture is None:
+    return None
+  counts = {m.name: sum(r["source"] == m.name for r in records) for m in mixture}
+  weight = {m.name: m.weight / counts[m.name] for m in mixture if counts[m.name]}
+  return [weight[r["source"]] for r in records]
 
 
 def load_eval_set(s: EvalSet, data: DataConfig) -> list[dict]:
@@ -149,8 +216,10 @@ def load_eval_set(s: EvalSet, data: DataConfig) -> list[dict]:
 
 
 def train_iterator(records: list[dict], batch_size: int, seed: int, process_index: int = 0,
-                   process_count: int = 1) -> Any:
+                   process_count: int = 1, mixture=None) -> Any:
   """An endless shuffled iterator of per-process batches; `get_state()` goes into checkpoints.
+  With a `mixture` (data.mixture), each source's records are shuffled and repeated on their
+  own and grain mixes them by the sources' weights: over n draws, source k gives n w_k / sum w.
 
   The GRPO loop draws the global batch on every process (the default 0 of 1): each process
   scores whole groups, and `mesh.put_batch` hands each process's devices only their rows.
@@ -158,7 +227,11 @@ def train_iterator(records: list[dict], batch_size: int, seed: int, process_inde
   if batch_size % process_count:
     raise DataError(f"train.batch_size {batch_size} does not split over {process_count} "
                     "processes")
-  ds = (grain.MapDataset.source(records).shuffle(seed=seed).repeat()
-        [process_index::process_count]
-        .batch(batch_size // process_count, batch_fn=list))
+  shuffled = lambda rs, k: grain.MapDataset.source(rs).shuffle(seed=seed + k).repeat()
+  if mixture is None:
+    ds = shuffled(records, 0)
+  else:
+    ds = grain.MapDataset.mix([shuffled([r for r in records if r["source"] == m.name], k)
+                               for k, m in enumerate(mixture)], [m.weight for m in mixture])
+  ds = ds[process_index::process_count].batch(batch_size // process_count, batch_fn=list)
   return iter(ds)

@@ -62,6 +62,14 @@ class MetricsWriter:
     _append(self.path / "samples.jsonl",
             "".join(json.dumps({"step": step, "tag": tag, **r}) + "\n" for r in rows))
 
+  def rows(self, tag: str) -> list[dict]:
+    """The samples logged under `tag` (this session's or an earlier one's); [] where none."""
+    path = self.path / "samples.jsonl"
+    if not self.enabled or not path.exists():
+      return []
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [r for r in rows if r.get("tag") == tag]
+
   def write_json(self, name: str, data: dict, overwrite: bool = True) -> None:
     if self.enabled and (overwrite or not (self.path / name).exists()):
       (self.path / name).write_text(json.dumps(data, indent=2) + "\n")

@@ -46,12 +46,10 @@ def sample_round(setup, sampler: Sampler, lora, records: list[dict], key: jax.Ar
   t0 = time.perf_counter()
   comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g)
   seconds = time.perf_counter() - t0
-  rep = lambda xs: [x for x in xs for _ in range(g)]
-  prompts, answers = rep(prompts), rep([r["answer"] for r in records])
-  categories = rep([r.get("category") for r in records])
+  prompts = [p for p in prompts for _ in range(g)]
+  answers = [r["answer"] for r in records for _ in range(g)]
   t0 = time.perf_counter()
-  total, per_fn = setup.rewards(prompts, comps.texts, answer=answers, category=categories,
-                                question=rep([r["question"] for r in records]))
+  total, per_fn = setup.rewards.score(prompts, comps.texts, records, g)
   reward_s = time.perf_counter() - t0
   o = cfg.grpo
   if o.overlong_buffer:
@@ -144,7 +142,30 @@ def metrics(rollout: Rollout) -> dict:
           "groups_drawn": len(zero_std), "groups_trained": sum(rollout.trained),
           "refill_rounds": len(rounds) - 1, "rollout_tokens": int(lengths.sum()),
           "rollout_tokens_per_s": float(lengths.sum() / seconds), "rollout_s": seconds,
-          "reward_s": sum(r.reward_seconds for r in rounds)}
+          "reward_s": sum(r.reward_seconds for r in rounds),
+          **by_category(per_fn, cat(lambda r: np.repeat(
+              [x.get("category") or "" for x in r.records], len(r.total) // len(r.records))))}
+
+
+def by_category(per_fn: dict[str, np.ndarray], categories: np.ndarray) -> dict[str, float]:
+  """`reward/<fn>/<category>`: each reward's mean over the rows of each category it scores (a
+  judge's rubric scores, category by category)."""
+  out = {}
+  for c in sorted(set(categories) - {""}):
+    for k, v in per_fn.items():
+      v = v[(categories == c) & ~np.isnan(v)]
+      if v.size:
+        out[f"reward/{k}/{c}"] = float(v.mean())
+  return out
+
+
+def observe(data, step: int, rounds: list[Groups]) -> dict[str, float]:
+  """Tells the records' iterator (a curriculum's, `data.curriculum`) how step `step`'s prompts
+  fared: each round's records and their rewards [B, G]; its metrics for the step's log."""
+  if not hasattr(data, "observe"):
+    return {}
+  data.observe(step, [(r.records, r.total.reshape(len(r.records), -1)) for r in rounds])
+  return data.metrics()
 
 
 def tokens(rollout: Rollout, g: int) -> int:

@@ -49,6 +49,7 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
   t0 = time.perf_counter()
   groups = rollout_lib.sample_round(setup, sampler, state.lora, next(data),
                                     jax.random.fold_in(state.key, step))
+  curriculum = rollout_lib.observe(data, step, [groups])
   b = len(groups.records)
   chosen, trained = [(groups, i) for i in range(b)], [True] * b
   host, rewards = rollout_lib.assemble(chosen, g, trained, setup.tokenizer.pad_id,
@@ -72,7 +73,7 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
   r = rollout_lib.Rollout(host, rewards, [groups], chosen, trained)
   on = comps.mask
   dt = time.perf_counter() - t0
-  return state, {**rollout_lib.metrics(r), **step_metrics,
+  return state, {**rollout_lib.metrics(r), **step_metrics, **curriculum,
                  "distill/reverse_kl": float(((comps.logprobs - teacher) * on).sum() / on.sum()),
                  "distill/teacher_logp": float((teacher * on).sum() / on.sum()),
                  "teacher_s": teacher_s, "step_time_s": dt,

@@ -47,7 +47,7 @@ import numpy as np
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
-from reasoner.data import sources
+from reasoner.data import curriculum, sources
 from reasoner.engine import lora as lora_lib, rollout as rollout_lib
 from reasoner.engine.sampler import logprob_temperature
 from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
@@ -296,15 +296,15 @@ def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout
 
 
 def rollout(setup, sampler, trainer: GRPOTrainer, lora, records: list[dict], key: jax.Array,
-            draw=None) -> tuple[Batch, dict]:
+            draw=None, observe=None) -> tuple[Batch, dict]:
   """G completions per prompt of `records` sampled, scored and turned into the training batch
-  (`draw()`: more records, for dynamic sampling), and the rollout's metrics, with "tokens"
-  drawn and "samples" (a completion a group)."""
+  (`draw()`: more records, for dynamic sampling; `observe(rollout)`: a curriculum's), and the
+  rollout's metrics, with "tokens" drawn and "samples" (a completion a group)."""
   r = rollout_lib.draw(setup, sampler, lora, records, key, more=draw)
   g = setup.cfg.rollout.num_generations
   return batch_from_rollout(setup, trainer, lora, r), {
-      **rollout_lib.metrics(r), "tokens": rollout_lib.tokens(r, g),
-      "samples": rollout_lib.samples(r, g)}
+      **rollout_lib.metrics(r), **(observe(r) if observe is not None else {}),
+      "tokens": rollout_lib.tokens(r, g), "samples": rollout_lib.samples(r, g)}
 
 
 def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
@@ -312,7 +312,8 @@ def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
   dynamic sampling), then mu optimisation passes on it: (state, metrics)."""
   t0 = time.perf_counter()
   batch, metrics = rollout(setup, sampler, trainer, state.lora, next(data),
-                           jax.random.fold_in(state.key, step), draw=lambda: next(data))
+                           jax.random.fold_in(state.key, step), draw=lambda: next(data),
+                           observe=lambda r: rollout_lib.observe(data, step, r.rounds))
   for _ in range(setup.cfg.grpo.num_iterations):
     state, step_metrics = trainer.train_step(state, batch)
   step_metrics = jax.device_get(step_metrics)
@@ -325,9 +326,14 @@ def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
 
 
 def _batches(setup, log=None):
-  """The records' batches: the grain pipeline over the training records (state checkpointed)."""
+  """The records' batches: the grain pipeline over the training records, or a curriculum
+  (`data.curriculum`); their state checkpointed."""
+  cfg = setup.cfg
+  if cfg.data.curriculum is not None:
+    return curriculum.Curriculum(setup.train_records, cfg.train.batch_size, cfg.train.seed,
+                                 cfg.data)
   return sources.train_iterator(setup.train_records, setup.cfg.train.batch_size,
-                                setup.cfg.train.seed)
+                                setup.cfg.train.seed, mixture=setup.cfg.data.mixture)
 
 
 STAGE = Stage("grpo", GRPOTrainer, _batches, grpo_step)

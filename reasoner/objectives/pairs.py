@@ -31,7 +31,7 @@ class PolicyPairs:
     cfg = setup.cfg
     self.cfg, self.pad_id, self.stage = cfg, setup.tokenizer.pad_id, "preference"
     self.records = sources.train_iterator(setup.train_records, cfg.train.batch_size,
-                                          cfg.train.seed)
+                                          cfg.train.seed, mixture=cfg.data.mixture)
     self.pool: list[tuple[list[int], list[int], list[int]]] = []  # (prompt, chosen, rejected)
     self.drawn = 0  # batches drawn
 

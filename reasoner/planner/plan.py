@@ -171,9 +171,10 @@ def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
 
 
 def judge_batches(report: dict[str, Any]) -> int:
-  """Judge batches a GRPO step scores (every completion of the rollout, at most)."""
+  """Judge batches a GRPO step scores, at most: every completion of the rollout, a row each, or
+  one a criterion where records carry rubrics (`judge.max_criteria`)."""
   cfg = report["cfg"]
-  rows = cfg.train.batch_size * cfg.rollout.num_generations
+  rows = cfg.train.batch_size * cfg.rollout.num_generations * max(1, cfg.judge.max_criteria)
   return -(-rows // cfg.judge.batch_size)
 
 

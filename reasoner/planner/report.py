@@ -55,8 +55,9 @@ def format_report(report: dict[str, Any]) -> str:
   if "judge" in report:
     j = report["judge"]
     n = judge_batches(report)
+    crit = report["cfg"].judge.max_criteria
     lines.append(_row(j, chip) + f"  (on {report['judge_on']}; {n} batch{'es' * (n > 1)} a "
-                 "step)")
+                 + (f"step at most, {crit} criteria a completion)" if crit else "step)"))
   if "teacher" in report:
     lines.append(_row(report["teacher"], chip) + f"  (on {report['teacher_on']}; once a step)")
   for what, tried in report["tried"].items():

@@ -1,7 +1,8 @@
 """Scoring a batch with the configured rewards: each reward a function `(prompts, completions,
 **batch) -> list[float]`, a built-in name (`builtin`, and `judge`, a model's grade bound by
 `build`) or 'module:function'. `batch` holds per-completion fields: `question` (the record's,
-unrendered), `answer` (the reference, or None) and `category`.
+unrendered), `answer` (the reference, or None), `category` and `rubric` (the record's criteria,
+or None; `data.sources.rubric`).
 
 Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
 row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
@@ -24,6 +25,7 @@ from reasoner.errors import ConfigError, DataError, RewardError
 from reasoner.rewards.builtin import correct, format_exact, format_partial, relevance, repetition
 
 RewardFn = Callable[..., list[float]]
+FIELDS = ("question", "answer", "category", "rubric")  # a record's, given to every reward
 
 
 def unbound_judge(prompts, completions, **_) -> list[float]:
@@ -114,6 +116,12 @@ class Rewards:
                         f"(expected {len(rows)} finite numbers)")
     out[rows] = values
     return out
+
+  def score(self, prompts: Sequence[str], completions: Sequence[str], records: Sequence[dict],
+            g: int = 1) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`__call__` on the completions of `records`, G consecutive completions a record."""
+    rep = lambda key: [r.get(key) for r in records for _ in range(g)]
+    return self(prompts, completions, **{k: rep(k) for k in FIELDS})
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **batch
                ) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -1,0 +1,206 @@
+"""Per-record rubrics (Rubrics as Rewards): each criterion's yes-probability against a dense
+forward, the weighted score with its pitfalls, the rows a step costs, and bad rubrics in one
+line before any model loads."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, dense_grade_probs, tiny_config
+from reasoner.build import build
+from reasoner.config import ConfigError
+from reasoner.data import sources
+from reasoner.engine import lora as lora_lib
+from reasoner.engine.rollout import by_category
+from reasoner.errors import DataError
+from reasoner.planner import plan
+from reasoner.rewards.judge import Judge, rubric_score
+
+GENERAL = ROOT / "data/general.jsonl"
+# the tiny model attends 16 tokens back in each of its two layers: what differs between prompts
+# comes last, so that its probabilities differ (a real judge's prompts end in the question asked)
+CRITERION = "Q: {question}\nRef: {reference}\nA: {response}\nMet (N or Y)? {criterion}"
+PAIRWISE = "Q: {question}\nRef: {reference}\nBetter, A or B? A: {first}\nB: {second}"
+JUDGED = ("data.source=jsonl", f"data.path={GENERAL}", "data.num_eval=2",
+          "rewards=[{fn: judge, categories: [creative, science, summarisation, code]}, "
+          "{fn: correct, categories: [math]}]",
+          "judge.rubric='Grade 1, 2, 3, 4 or 5: {response}\nGrade: '",
+          f"judge.criterion_prompt={json.dumps(CRITERION)}",
+          f"judge.pairwise_prompt={json.dumps(PAIRWISE)}", "judge.criterion_grades=[N, Y]",
+          "judge.max_criteria=5", "judge.batch_size=8", "data.template=plain")
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return build(tiny_config(*JUDGED))
+
+
+def test_records_keep_their_rubrics_in_every_form():
+  records = sources._read_file(str(GENERAL), "jsonl", tiny_config(*JUDGED).data, "data.path")
+  poem, bees, tips = records[0], records[3], records[10]
+  assert poem["rubric"][0] == ("The response is a poem of exactly four lines.", 3.0)
+  assert poem["rubric"][3][1] == -2.0  # a pitfall
+  assert bees["rubric"][0] == ("The summary is one sentence.", 1.0)  # a plain string: weight 1
+  assert tips["rubric"] is None  # judge.rubric grades it
+  assert sources.rubric([{"description": "Cites a source.", "title": "Essential", "weight": 5}],
+                        "r", "k") == (("Cites a source.", 5.0),)  # Rubrics as Rewards' fields
+
+
+def test_the_score_is_the_weighted_share_met_and_pitfalls_lower_it():
+  w = np.asarray([3.0, 1.0, -2.0])
+  assert rubric_score(np.asarray([1.0, 1.0, 0.0]), w) == 1.0
+  assert rubric_score(np.asarray([0.0, 0.0, 1.0]), w) == 0.0
+  assert rubric_score(np.asarray([1.0, 0.0, 0.0]), w) == pytest.approx(5 / 6)  # (3 + 2) / 6
+  met = np.asarray([0.9, 0.4, 0.1])
+  assert rubric_score(met, w) > rubric_score(met + [0, 0, 0.8], w)  # falling into a pitfall
+  assert rubric_score(met[:2], w[:2]) == pytest.approx((0.9 * 3 + 0.4) / 4)  # no pitfall
+
+
+def test_rubric_scores_equal_a_dense_forward_of_each_criterion(setup):
+  """A batch mixing rubric records (4 and 5 criteria, pitfalls), a record judged by
+  `judge.rubric`, and a math record `correct` scores: the judge's scores equal each criterion's
+  yes-probability from full-vocabulary logits, one prompt at a time, weighted by hand."""
+  judge = setup.rewards.fns[0]
+  assert isinstance(judge, Judge)
+  find = lambda start: next(r for r in setup.train_records + setup.eval_records
+                            if r["question"].startswith(start))
+  records = [find(q) for q in ("Write a four-line", "Summarise in one sentence: The city",
+                               "Why does ice", "What is 15%", "Give two tips")]
+  texts = ["The tide breathes slow.", "A key was lost.", "Ice floats; it is less dense.",
+           "<answer>7</answer>", "Research the company."]
+  total, per_fn = setup.rewards.score(["p"] * 5, texts, records)
+  model = setup.model(lora_lib.zeros_like(setup.lora))
+  for i, (r, text) in enumerate(zip(records, texts)):
+    if r["category"] == "math":
+      assert np.isnan(per_fn["judge"][i]) and per_fn["correct"][i] in (0.0, 1.0)
+      continue
+    if r["rubric"] is None:
+      want = dense_grade_probs(model, setup.tokenizer, [judge.texts([text], [r["question"]], [None])[0]],
+                    "12345") @ np.arange(5) / 4
+    else:
+      prompts = [CRITERION.format(question=r["question"], response=text, criterion=c,
+                                  reference=r["answer"] or "(none given)")
+                 for c, _ in r["rubric"]]
+      yes = dense_grade_probs(model, setup.tokenizer, prompts, "NY")[:, 1]
+      w = np.asarray([w for _, w in r["rubric"]])
+      neg = -w[w < 0].sum()
+      want = (yes @ w + neg) / (w[w > 0].sum() + neg)
+    np.testing.assert_allclose(per_fn["judge"][i], np.ravel(want)[0], rtol=1e-5, atol=1e-6)
+  assert len({round(float(x), 6) for x in per_fn["judge"][:3]}) == 3
+
+
+def test_pairwise_preference_is_a_dense_forward_in_both_orders_and_symmetric(setup):
+  """P(first better) is the mean of P('A') with it shown first and P('B') with it shown second,
+  each from full logits; swapping gives 1 - p; a response against itself gives 0.5."""
+  judge = setup.rewards.fns[0]
+  a, b = ["Ice is less dense.", "Rain taps."], ["Ice is heavier.", "A poem on rain, slowly."]
+  q, ref = ["Why does ice float?", "A haiku on rain."], ["It is less dense.", None]
+  got = judge.pairwise(a, b, q, ref)
+  fill = lambda x, y, i: judge.cfg.pairwise_prompt.format(
+      question=q[i], first=x, second=y, reference=ref[i] or "(none given)")
+  model = setup.model(lora_lib.zeros_like(setup.lora))
+  for i in range(2):
+    shown_first = dense_grade_probs(model, setup.tokenizer, [fill(a[i], b[i], i)], "AB")[0, 0]
+    shown_second = dense_grade_probs(model, setup.tokenizer, [fill(b[i], a[i], i)], "AB")[0, 1]
+    np.testing.assert_allclose(got[i], (shown_first + shown_second) / 2, rtol=1e-5)
+  np.testing.assert_allclose(got + judge.pairwise(b, a, q, ref), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(judge.pairwise(a, a, q, ref), 0.5, rtol=1e-6)
+  assert not np.allclose(got, 0.5)
+
+
+def test_a_run_reports_categories_and_its_win_rate(setup, tmp_path):
+  """GRPO on data/general.jsonl with rubric judging: per-category rewards each step, per-
+  category held-out means before and after, and the judge's win rate against the model before
+  training (matched question by question) in eval.json."""
+  from reasoner import loop
+  from reasoner.evaluation import win_rate
+
+  cfg = tiny_config(*JUDGED, f"train.run_dir={tmp_path}", "train.steps=2", "data.num_eval=4",
+                    "train.eval_before=true", "train.batch_size=2")
+  loop.train(cfg)
+  run = tmp_path / cfg.train.run_name
+  results = json.loads((run / "eval.json").read_text())
+  before, after = results["before"], results["after"]
+  assert {k for k in before if k.startswith("mean_reward/")} == {
+      k for k in after if k.startswith("mean_reward/")} and len(after) > 6
+  assert 0 < after["win_rate"] < 1 and after["win_rate_n"] == 4
+  rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  assert any(k.startswith("reward/judge/") for r in rows for k in r)
+  same = [{"question": "q", "answer": None, "completion": "x", "category": "a"}]
+  assert win_rate(setup, same, same) == {"win_rate": 0.5, "win_rate_n": 1}
+  assert win_rate(setup, same, [{**same[0], "question": "other"}]) == {}
+
+
+def test_the_agreement_check_counts_the_calls_and_stops_a_run_without_signal(setup, tmp_path):
+  """`agreement` by hand from the judge's scores and pairwise preferences; a judge below
+  judge.min_agreement stops the run in one line (the random tiny judge has no signal), and
+  judge.check without records to compare is refused before any model loads."""
+  from reasoner.rewards import judge as judge_lib
+
+  judge, records = setup.rewards.fns[0], setup.train_records + setup.eval_records
+  a = judge_lib.agreement(judge, records)
+  rows = [r for r in records if r.get("response")]
+  n, q = len(rows), [r["question"] for r in rows]
+  args = dict(question=q, answer=[r["answer"] for r in rows], rubric=[r["rubric"] for r in rows])
+  own, other = [r["response"] for r in rows], [rows[(i + n // 2) % n]["response"] for i in range(n)]
+  s = lambda t: np.asarray(judge(q, t, **args))
+  pair = judge.pairwise(own, other, q, args["answer"])
+  calls = [*(s(own) > s(other)), *(s(own) > s([judge_lib.JUNK] * n)), *(pair > 0.5)]
+  assert a["n"] == n == 12 and a["agreement"] == pytest.approx(np.mean(calls))
+  with pytest.raises(ConfigError, match=r"'judge.min_agreement' = 1.0: the judge got 0.\d\d of "
+                     r"its calls right on 12 records .* it gives no signal"):
+    build(tiny_config(*JUDGED, "judge.check=true", "judge.min_agreement=1.0"))
+  path = tmp_path / "q.jsonl"
+  path.write_text("".join(f'{{"question": "q{i}", "category": "creative"}}\n' for i in range(6)))
+  with pytest.raises(ConfigError, match=r"'judge.check' = true: the data has 0 records with a "
+                     "response"):
+    build(tiny_config(*JUDGED, f"data.path={path}", "judge.check=true"))
+
+
+def test_scores_are_logged_by_category():
+  per_fn = {"judge": np.asarray([0.2, 0.4, np.nan, 0.9]),
+            "correct": np.asarray([np.nan, np.nan, 1.0, np.nan])}
+  got = by_category(per_fn, np.asarray(["creative", "creative", "math", ""]))
+  assert got == {"reward/judge/creative": pytest.approx(0.3), "reward/correct/math": 1.0}
+
+
+def test_evaluations_report_each_category():
+  from reasoner.evaluation import by_category as eval_by_category
+
+  got = eval_by_category([0.2, 0.6, 1.0, 0.5], ["creative", "creative", "math", None])
+  assert got == {"mean_reward/creative": pytest.approx(0.4), "mean_reward/math": 1.0}
+  assert eval_by_category([0.2, 0.6], ["math", "math"]) == {}  # one category: the mean says it
+
+
+def test_the_planner_counts_a_row_a_criterion():
+  cfg = tiny_config(*JUDGED, "train.batch_size=2", "rollout.num_generations=4")
+  assert plan.judge_batches({"cfg": cfg}) == 5  # 2 x 4 completions x 5 criteria / 8 a batch
+  cfg = tiny_config(*JUDGED, "judge.max_criteria=0", "train.batch_size=2",
+                    "rollout.num_generations=4")  # no rubrics: a row a completion
+  assert plan.judge_batches({"cfg": cfg}) == 1
+
+
+def test_bad_rubrics_fail_in_one_line(tmp_path):
+  def data(rubric):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"question": "q", "category": "creative", "rubric": rubric}) + "\n")
+    return [f"data.path={path}", f"data.eval_path={path}"]
+
+  for rubric, why in [
+      ([{"criterion": "Has a pitfall only.", "weight": -1}],
+       r"has no positive weight \(\[-1.0\]\)"),
+      ("Be good.", "is not a list of criteria"),
+      ([{"weight": 2}], r"criterion 0 = \{'weight': 2\}: expected a text"),
+      (["Fine.", {"criterion": "x", "weight": "high"}], "criterion 1 .*expected a text")]:
+    with pytest.raises(DataError, match=r"r.jsonl: record 0: its rubric \(data.rubric_field\) "
+                       + why):
+      build(tiny_config(*JUDGED, *data(rubric)))
+  with pytest.raises(ConfigError, match=r"'judge.max_criteria' = 2: the training data, record 0 "
+                     r"has a rubric of 3 criteria"):
+    build(tiny_config(*JUDGED, *data(["a", "b", "c"]), "judge.max_criteria=2"))
+  with pytest.raises(ConfigError, match=r"'judge.criterion_prompt' = 'Is it good\?': expected a "
+                     r"text with \{response\} and \{criterion\}"):
+    tiny_config("judge.criterion_prompt='Is it good?'")
+  with pytest.raises(ConfigError, match=r"'judge.criterion_grades' = \['Y'\]: expected two"):
+    tiny_config("judge.criterion_grades=[Y]")
