@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from reasoner.rewards import builtin as rewards_lib
+from reasoner.rewards.scoring import Rewards
 from reasoner.build import build
 from reasoner.config import GRPOConfig
 from reasoner.objectives.grpo import rollout
@@ -18,9 +19,12 @@ from reasoner.objectives.grpo import GRPOTrainer as Trainer
 B, G = 4, 4
 
 
-class ParityRewards:
+class ParityRewards(Rewards):
   """A prompt chosen by its checksum gets each completion's checksum parity as its reward (a
   group whose completions all share it has zero variance); the others get 0."""
+
+  def __init__(self):
+    pass  # no reward functions: __call__ is the rewards (Rewards.score calls it)
 
   def __call__(self, prompts, completions, **_):
     parity = lambda s: float(zlib.crc32(s.encode()) % 2)
@@ -167,7 +171,8 @@ def test_named_eval_sets_are_evaluated_and_logged_under_their_names(tmp_path):
                         "difficulty: hard, num: 2}]"))
   assert [len(s.eval_records), len(s.eval_sets["mine"]), len(s.eval_sets["hard"])] == [2, 3, 2]
   assert s.eval_sets["mine"][1] == {"question": "What is 1 + 1?", "answer": "2", "category": None,
-                                    "response": None}
+                                    "response": None, "chosen": None, "rejected": None,
+                                    "rubric": None}
   assert not {r["question"] for r in s.eval_sets["hard"]} & {r["question"] for r in
                                                                s.eval_records}
   writer = MetricsWriter(tmp_path / "run", enabled=True)
