@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from reasoner.data import prompts as prompts_lib
+from reasoner.data import prompts as prompts_lib, sources
 from reasoner.errors import DataError
 
 
@@ -119,6 +119,27 @@ class Batches:
 
   def pad(self, examples: list) -> dict[str, np.ndarray]:
     return pad(examples, self.pad_id, self.bucket)
+
+
+def for_run(setup, max_response: int, log=None, fields: tuple[str, ...] = ("response",),
+            stage: str = "sft", limit_key: str = "sft.max_response_tokens", cls=None,
+            noun: str = "examples") -> "Batches":
+  """A stage's batches of the run's training records (`cls`, default `Batches`): encoded,
+  drawn by a mixture's shares (`sources.draw_weights`) where there is one, length-bucketed as
+  `sft.window` / `sft.bucket` say; the padding share logged."""
+  cfg = setup.cfg
+  kept: list[int] = []
+  examples = encode(setup.train_records, cfg.data.template, setup.tokenizer,
+                    cfg.data.max_prompt_tokens, max_response, cfg.data.overlong,
+                    log or (lambda _: None), fields, stage, limit_key, kept)
+  weights = sources.draw_weights([setup.train_records[i] for i in kept], cfg.data.mixture)
+  out = (cls or Batches)(examples, cfg.train.batch_size, cfg.train.seed, cfg.sft.window,
+                         cfg.sft.bucket, setup.tokenizer.pad_id,
+                         "SFT" if stage == "sft" else "preference", weights)
+  if log:
+    log(f"{stage}: {len(examples)} {noun}, {out.per_epoch} batches an epoch, "
+        f"{out.padding():.1%} of their tokens padding")
+  return out
 
 
 def widths(examples: list, bucket: int) -> tuple[int, int]:

@@ -43,7 +43,7 @@ import numpy as np
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
-from reasoner.data import examples as examples_lib, sources
+from reasoner.data import examples as examples_lib
 from reasoner.engine import lora as lora_lib
 from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
 from reasoner.errors import DataError
@@ -222,19 +222,9 @@ def batches(setup, log=None):
   cfg = setup.cfg
   if cfg.prefer.pairs == "policy":
     return pairs_lib.PolicyPairs(setup)
-  kept = []
-  examples = examples_lib.encode(
-      setup.train_records, cfg.data.template, setup.tokenizer, cfg.data.max_prompt_tokens,
-      cfg.prefer.max_response_tokens, cfg.data.overlong, log or (lambda _: None),
-      fields=("chosen", "rejected"), stage="prefer", limit_key="prefer.max_response_tokens",
-      kept=kept)
-  weights = sources.draw_weights([setup.train_records[i] for i in kept], cfg.data.mixture)
-  out = Weighted(examples, cfg.train.batch_size, cfg.train.seed, cfg.sft.window, cfg.sft.bucket,
-                 setup.tokenizer.pad_id, stage="preference", weights=weights)
-  if log:
-    log(f"prefer: {len(examples)} pairs, {out.per_epoch} batches an epoch, "
-        f"{out.padding():.1%} of their tokens padding")
-  return out
+  return examples_lib.for_run(setup, cfg.prefer.max_response_tokens, log,
+                              ("chosen", "rejected"), "prefer", "prefer.max_response_tokens",
+                              Weighted, "pairs")
 
 
 class Weighted(examples_lib.Batches):

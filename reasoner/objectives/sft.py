@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
-from reasoner.data import examples as examples_lib, sources
+from reasoner.data import examples as examples_lib
 from reasoner.errors import DataError
 from reasoner.engine.trainer import Stage, Trainer, check_finite
 
@@ -42,18 +42,7 @@ def check(cfg, records: list[dict], where: str) -> None:
 
 def batches(setup, log=None) -> examples_lib.Batches:
   """The run's training batches (`setup.train_records` encoded; the padding share logged)."""
-  cfg = setup.cfg
-  kept = []
-  examples = examples_lib.encode(setup.train_records, cfg.data.template, setup.tokenizer,
-                                 cfg.data.max_prompt_tokens, cfg.sft.max_response_tokens,
-                                 cfg.data.overlong, log or (lambda _: None), kept=kept)
-  weights = sources.draw_weights([setup.train_records[i] for i in kept], cfg.data.mixture)
-  out = examples_lib.Batches(examples, cfg.train.batch_size, cfg.train.seed, cfg.sft.window,
-                             cfg.sft.bucket, setup.tokenizer.pad_id, weights=weights)
-  if log:
-    log(f"sft: {len(examples)} examples, {out.per_epoch} batches an epoch, "
-        f"{out.padding():.1%} of their tokens padding")
-  return out
+  return examples_lib.for_run(setup, setup.cfg.sft.max_response_tokens, log)
 
 
 def nll(logp: jax.Array) -> jax.Array:
