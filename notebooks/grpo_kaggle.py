@@ -14,19 +14,24 @@
 # %% [markdown]
 # # Teaching Gemma to reason with GRPO on a Kaggle TPU v5e-8
 #
-# This notebook trains **Gemma 3 1B** (or Gemma 2 2B) to answer grade-school math problems with
-# its reasoning written out, using **GRPO** (group relative policy optimisation) with **LoRA**
-# adapters, and hands in a model that Tunix's own Gemma code loads. Every cell calls the
+# This notebook trains **Gemma 3 1B** (or Gemma 2 2B) to reason with its steps written out,
+# using **GRPO** (group relative policy optimisation) with **LoRA** adapters, and hands in a
+# model that Tunix's own Gemma code loads. Two paths, one parameter (`CONFIG`): grade-school
+# math (GSM8K, checked against the reference answer), or **general reasoning**: GSM8K beside
+# creative writing, summaries, science and code, the rest scored by a Gemma 3 12B-it rubric
+# judge on four of the eight chips, with a table by category before and after. Every cell calls the
 # `reasoner` library; nothing here is logic of its own, so what you read is what
 # `python -m reasoner train --config <preset>` runs.
 #
 # What happens, in order:
 # 1. **Plan**: per-chip memory and estimated step time, compiled ahead of time, and how many
 #    steps fit in this session.
-# 2. Optionally, **supervised fine-tuning** on worked solutions first.
+# 2. Optionally, **supervised fine-tuning** on worked solutions first, then **preference
+#    optimisation** (SimPO, DPO, ORPO): the winning public recipe was SFT -> SimPO -> GRPO.
 # 3. **Evaluate before training**: greedy answers on held-out problems.
 # 4. **Train** until the configured steps or the session's deadline, saving checkpoints.
-# 5. **Evaluate after**, and compare completions before and after side by side.
+# 5. **Evaluate after**, compare completions before and after side by side and, on the general
+#    path, the judge's scores and win rate by category.
 # 6. **Export**: LoRA merged into the base weights, written as a Kaggle Flax checkpoint.
 #
 # A 9-hour Kaggle session is rarely enough for a full run: the last section says how a second
@@ -54,15 +59,20 @@ if importlib.util.find_spec("reasoner") is None:
 
 # %% [markdown]
 # ## Parameters
-# `CONFIG` is a preset from `configs/` and `OVERRIDES` dotted settings on top of it
-# (`train.steps=200`, `rollout.temperature=0.8`, `train.resume_from=...`). `SFT`: None, or the
-# overrides of a supervised fine-tuning stage before GRPO (below). Papermill sets them:
+# `CONFIG` is a preset from `configs/`: `configs/gemma3_1b.yaml` (GSM8K) or
+# `configs/gemma3_1b_general.yaml` (general reasoning with a 12B rubric judge; attach
+# `google/gemma-3/flax/gemma3-12b-it` too, and replace its `data/general.jsonl`, the schema's
+# twelve-record example, with your own file of records with categories and rubrics).
+# `OVERRIDES` are dotted settings on top of it (`train.steps=200`, `rollout.temperature=0.8`,
+# `train.resume_from=...`). `SFT` and `PREFER`: None, or the overrides of a supervised
+# fine-tuning stage and of a preference stage before GRPO (below). Papermill sets them:
 # `papermill grpo_kaggle.ipynb out.ipynb -p CONFIG configs/tiny.yaml`.
 
 # %% tags=["parameters"]
 CONFIG = "configs/gemma3_1b.yaml"
 OVERRIDES = []
 SFT = None  # e.g. ["train.steps=300", "train.batch_size=16", "optim.learning_rate=1e-4"]
+PREFER = None  # e.g. [] (the preset's prefer section) or ["prefer.pairs=policy", "train.steps=100"]
 
 # %% [markdown]
 # ## The run
@@ -111,16 +121,26 @@ from reasoner.data import prompts
 print(prompts.render(cfg.data.template, "A baker made 24 rolls and sold 9. How many are left?"))
 
 # %% [markdown]
-# ## Optional: supervised fine-tuning first
+# ## Optional: supervised fine-tuning, then preference optimisation
 # With `SFT` set, the LoRA first learns the data's worked solutions (GSM8K's, written in the
 # answer format), with the loss on the solutions' tokens only, under the run name
 # `<run_name>-sft`; GRPO then starts from its LoRA (`lora.init_from`). SFT teaches the format
 # and the method from written examples; GRPO then reinforces what the model itself samples.
 # On the embedded 270M, 32 SFT steps took held-out accuracy from 0 to 0.81 on a prompt without
 # examples, where 16 GRPO steps alone reached 0.70 with a two-shot prompt (README).
+#
+# With `PREFER` set, a preference stage follows (`<run_name>-prefer`, from the SFT LoRA where
+# there is one), with the preset's `prefer` section (`PREFER = []`) or overrides of it. Pairs
+# are the policy's own with `prefer.pairs: policy` (the general preset's): G completions a
+# prompt scored by the preset's rewards (the judge included), the best against the worst where
+# their rewards differ by `prefer.min_margin`; or the records' `chosen` and `rejected`
+# responses (`prefer.pairs: file`). SimPO needs no reference forward; DPO's reference is the
+# LoRA the stage started from. The stage is there to stop verbose answers and invented steps
+# before RL rewards them.
 
 # %%
-OVERRIDES = nb.sft_stage(CONFIG, OVERRIDES, SFT)
+OVERRIDES = nb.stage(CONFIG, OVERRIDES, "sft", SFT)
+OVERRIDES = nb.stage(CONFIG, OVERRIDES, "prefer", PREFER)
 cfg = nb.configure(CONFIG, OVERRIDES)
 
 # %% [markdown]
@@ -174,6 +194,16 @@ summary
 
 # %%
 pairs
+
+# %% [markdown]
+# ### By category
+# On the general path: each category's held-out mean reward before and after (the judge's
+# rubric scores for the categories it grades, `correct` for math), and the judge's win rate of
+# the trained model against the model before training, asked in both orders so that the
+# judge's preference for the first or second answer cancels (0.5: no difference).
+
+# %%
+nb.by_category(run.results)
 
 # %% [markdown]
 # ## Export the trained model

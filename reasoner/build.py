@@ -102,11 +102,13 @@ def check(cfg: Config, devices: list | None = None,
 
 
 def build(cfg: Config, abstract: bool = False, devices: list | None = None,
-          check_records: Callable[..., None] | None = None, teacher: bool = False) -> Setup:
+          check_records: Callable[..., None] | None = None, teacher: bool = False,
+          with_judge: bool = True) -> Setup:
   """The run's `Setup`; `abstract`: its model as placed ShapeDtypeStructs and no records, on
   `devices` (default: this host's), e.g. a TPU topology's compile-only devices;
   `check_records`: a stage's rule for its training records (`check`); `teacher`: with
-  distillation's teacher (`distill.*`), on its own devices or the policy's."""
+  distillation's teacher (`distill.*`), on its own devices or the policy's; `with_judge`: False
+  where nothing is scored (the export), the judge reward then unbound and its model not read."""
   if abstract:
     return _abstract(cfg, devices, teacher)
   c = check(cfg, devices, check_records, teacher)
@@ -120,7 +122,7 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   graphdef, lora, base = lora_lib.split(model)
   setup = Setup(cfg, c.mesh, tokenizer, graphdef, lora, base, c.rewards, train, held_out, spec,
                 sets, c.devices)
-  if judged(cfg):
+  if judged(cfg) and with_judge:
     judge = Judge.for_run(setup) if c.devices.judge is None else Judge.own(
         cfg.judge, c.devices.judge, cfg.train.seed)
     if cfg.judge.check:

@@ -223,7 +223,7 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
   run's, already built (the notebook's), else built from `cfg`."""
   out = pathlib.Path(out).absolute()
   check_out(out)
-  setup = setup or build(cfg)
+  setup = setup or build(cfg, with_judge=False)  # a judge of its own is not read to export
   lora, got = restore_lora(setup, step)
   params = merged(setup.graphdef, lora, setup.base, cfg.lora.alpha / cfg.lora.rank)
   family = gemma.model_spec(cfg.model).family

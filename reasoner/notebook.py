@@ -43,19 +43,20 @@ def configure(config: str, overrides: list[str]) -> Config:
   return cfg
 
 
-def sft_stage(config: str, overrides: list[str], sft: list[str] | None) -> list[str]:
-  """With `sft` (the SFT stage's overrides on top of `overrides`; None: no SFT stage), runs SFT
-  to the end under run name <run_name>-sft and returns the GRPO stage's overrides, which start
-  from its LoRA (`lora.init_from`); its model is freed before GRPO loads its own."""
-  if sft is None:
+def stage(config: str, overrides: list[str], name: str, extra: list[str] | None) -> list[str]:
+  """With `extra` (stage `name`'s overrides on top of `overrides`; None: no such stage), runs
+  that stage (sft, prefer) to the end under run name <run_name>-<name> and returns the next
+  stage's overrides, which start from its LoRA (`lora.init_from`); its model is freed before the
+  next stage loads its own."""
+  if extra is None:
     return list(overrides)
   import gc
 
   from reasoner.loop import Run  # jax only once a cell trains (the module's docstring)
 
-  name = load_config(_path(config), list(overrides)).train.run_name
-  cfg = configure(config, [*overrides, f"train.run_name={name}-sft", *sft])
-  run = Run(cfg, command="re-run this notebook", stage="sft")
+  run_name = load_config(_path(config), list(overrides)).train.run_name
+  cfg = configure(config, [*overrides, f"train.run_name={run_name}-{name}", *extra])
+  run = Run(cfg, command="re-run this notebook", stage=name)
   if cfg.train.eval_before:
     run.evaluate_before()
   run.train()
@@ -63,7 +64,8 @@ def sft_stage(config: str, overrides: list[str], sft: list[str] | None) -> list[
   run.close()
   del run
   gc.collect()
-  return [*overrides, f"lora.init_from={cfg.run_path}"]
+  return [*[o for o in overrides if not o.startswith("lora.init_from=")],
+          f"lora.init_from={cfg.run_path}"]
 
 
 def _path(config: str) -> pathlib.Path:
@@ -129,6 +131,25 @@ def compare(run, n: int = 6):
                          "reward after": round(by_q[b["question"]]["reward"], 2)}
                         for b in before[:n] if b["question"] in by_q])
   return summary, pairs
+
+
+def by_category(results: dict):
+  """Per category (where the held-out records have two or more): the mean reward before and
+  after training (the judge's rubric scores where the judge scores the category) and the
+  judge's win rate of the model after against the model before; None where there is none."""
+  import pandas as pd
+
+  cats = sorted({k.split("/", 1)[1] for r in results.values() for k in r
+                 if k.startswith("mean_reward/")})
+  if not cats:
+    print("the held-out records have no categories (or one): no table by category")
+    return None
+  before, after = results.get("before", {}), results.get("after", {})
+  row = lambda key, win: {"before": before.get(key), "after": after.get(key),
+                          "win rate": after.get(win)}
+  table = {c: row(f"mean_reward/{c}", f"win_rate/{c}") for c in cats}
+  table["all"] = row("mean_reward", "win_rate")
+  return pd.DataFrame(table).T
 
 
 def show_plot(path: pathlib.Path | None):

@@ -94,7 +94,8 @@ def test_resume_is_exact_with_the_teacher_a_runs_lora(tmp_path):
   """An SFT run's LoRA teaches (distill.teacher_lora); a distillation whose step-4 checkpoint
   was removed resumes to the same bits and logs the same rows."""
   _run(tmp_path, "teacher", "sft", steps=2)
-  d = (f"distill.teacher_lora={tmp_path / 'teacher'}", "distill.reward_weight=0.5")
+  d = (f"distill.teacher_lora={tmp_path / 'teacher'}", "distill.reward_weight=0.5",
+       "grpo.num_iterations=2")  # mu passes a rollout, pi_old from the trainer's forward
   _run(tmp_path, "student", "distill", *d)
   run = tmp_path / "student"
   full = _lora(run, 4)

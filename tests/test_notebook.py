@@ -21,13 +21,27 @@ def test_ipynb_is_generated_from_the_py():
       "notebooks/grpo_kaggle.ipynb differs from grpo_kaggle.py: run `make notebook`")
 
 
-def test_parameters_cell_defines_only_config_overrides_and_sft():
+def test_parameters_cell_defines_only_config_overrides_and_stages():
   cells = [c for c in nbformat.read(IPYNB, as_version=4).cells
            if "parameters" in c.metadata.get("tags", [])]
   assert len(cells) == 1
   names = {}
   exec(cells[0].source, {}, names)
-  assert sorted(names) == ["CONFIG", "OVERRIDES", "SFT"]
+  assert sorted(names) == ["CONFIG", "OVERRIDES", "PREFER", "SFT"]
+
+
+def test_by_category_table_reads_the_results_per_category():
+  """The general path's table: each category's mean reward before and after and the win rate,
+  and a row for all; None (and a line) where the records have no categories."""
+  from reasoner import notebook as nb
+
+  results = {"before": {"mean_reward": 0.4, "mean_reward/math": 0.5, "mean_reward/code": 0.2},
+             "after": {"mean_reward": 0.6, "mean_reward/math": 0.7, "mean_reward/code": 0.4,
+                       "win_rate": 0.65, "win_rate/math": 0.6, "win_rate/code": 0.8}}
+  t = nb.by_category(results)
+  assert list(t.index) == ["code", "math", "all"]
+  assert t.loc["code"].tolist() == [0.2, 0.4, 0.8] and t.loc["all"].tolist() == [0.4, 0.6, 0.65]
+  assert nb.by_category({"before": {"mean_reward": 0.4}, "after": {"mean_reward": 0.5}}) is None
 
 
 @pytest.mark.slow
@@ -40,7 +54,8 @@ def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
       parameters={"CONFIG": "configs/tiny.yaml",
                   "OVERRIDES": [f"train.run_dir={tmp_path / 'runs'}", "train.steps=2",
                                 "train.eval_before=true"],
-                  "SFT": ["train.steps=2", "train.eval_before=false"]})
+                  "SFT": ["train.steps=2", "train.eval_before=false"],
+                  "PREFER": ["train.steps=1", "train.eval_before=false", "prefer.loss=simpo"]})
   nb = nbformat.read(out, as_version=4)
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
@@ -50,11 +65,15 @@ def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
   assert any("image/png" in o.get("data", {}) for o in outputs)  # the reward plot
   text = "".join(o.get("text", "") for o in outputs)
   assert "trained to step 2 of 2" in text and "per chip" in text  # training, the plan
+  assert "no table by category" in text  # the tiny set has no categories
   sft = json.loads((tmp_path / "runs" / "tiny-sft" / "run.json").read_text())
   assert sft["stage"] == "sft" and (tmp_path / "runs" / "tiny-sft" / "checkpoints" / "2").is_dir()
+  prefer = json.loads((tmp_path / "runs" / "tiny-prefer" / "run.json").read_text())
+  assert prefer["stage"] == "prefer"  # SFT -> preference -> GRPO, each from the last's LoRA
+  assert prefer["config"]["lora"]["init_from"] == str(tmp_path / "runs" / "tiny-sft")
   grpo = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
   assert grpo["stage"] == "grpo"
-  assert grpo["config"]["lora"]["init_from"] == str(tmp_path / "runs" / "tiny-sft")
+  assert grpo["config"]["lora"]["init_from"] == str(tmp_path / "runs" / "tiny-prefer")
   assert "LoRA from" in text and "(lora.init_from)" in text
   export = tmp_path / "runs" / "tiny" / "export-step-2"
   assert json.loads((export / "export.json").read_text())["step"] == 2

@@ -373,3 +373,22 @@ def test_the_abstract_build_is_the_real_build_without_arrays(qtype):
       assert isinstance(a, jax.ShapeDtypeStruct)
       assert (a.shape, a.dtype, a.sharding) == (w.shape, w.dtype, w.sharding)
   assert abstract.tokenizer.vocab_size == real.tokenizer.vocab_size
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (the tpu extra)")
+def test_the_general_presets_12b_judge_is_planned_on_its_four_chips_and_fits():
+  """configs/gemma3_1b_general.yaml's judge, a Gemma 3 12B-it of its real shapes (48 layers,
+  262,144 vocabulary), compiled ahead of time for v5e:2x4: one batch of 16 prompts of 1,024
+  tokens on the last 4 chips fits their 16 GiB; the policy keeps the first 4 (about 2 min on 2
+  cores; the whole preset's `reasoner plan`, train step included, takes 7 min 40 s)."""
+  from reasoner.build import build
+  from reasoner.config import load_config
+
+  cfg = load_config(ROOT / "configs" / "gemma3_1b_general.yaml")
+  devices, chip, method = plan.target("v5e:2x4")
+  assert "libtpu" in method
+  setup = build(cfg, abstract=True, devices=devices)
+  judge, where = plan.judge_plan(setup, chip)
+  assert where == "4 chips of its own" and setup.mesh.devices.size == 4
+  assert judge.fits and 8 * chips.GiB < judge.total < chip.hbm  # 11.45 GiB measured
+  assert judge.flops > 2 * 10e9 * 16 * 1024 / 4  # 2 x its ~11B matmul weights x tokens, / 4

@@ -4,8 +4,12 @@ There is no TPU and no Kaggle download here, so the preset runs on 8 fake CPU de
 random-weight checkpoint of the real shapes, written in the Kaggle Flax layout (parameters born
 sharded, written by orbax shard by shard) with the embedded model's `tokenizer.model`. Lengths
 are cut (steps, G, new tokens, held-out problems, and the first 4 of the decoder layers, read from
-the full checkpoint) and the data is the generated arithmetic set (GSM8K needs the network);
-everything else is the preset's: remat, dtype, mesh, LoRA rank,
+the full checkpoint) and GSM8K is replaced by the generated arithmetic set (it needs the
+network; a mixture keeps its other sources, their held-out parts cut to 4). A preset with a
+judge of its own (gemma3_1b_general: a Gemma 3 12B-it on 4 of the 8 chips) gets a random judge
+checkpoint of the judge's real widths and vocabulary, its first 4 layers written and read, on
+its own devices; a random judge cannot pass `judge.check`, so the rehearsal turns the check off
+(tests/test_rubrics.py runs it). Everything else is the preset's: remat, dtype, mesh, LoRA rank,
 micro-batches, deadline, checkpoints, resume from a read-only copy, export, and loading the
 export back. Each phase runs in its own process; the table gives its wall time and peak RSS.
 """
@@ -13,6 +17,8 @@ export back. Each phase runs in its own process; the table gives its wall time a
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -21,32 +27,62 @@ import sys
 import tempfile
 import time
 
+from reasoner.config import load_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # XLA:CPU holds float32 copies of the gathered bf16 weights per fake device: the 1B train step
 # with all 26 layers passed 24 GiB of host memory on 8 devices (and on 2 and 4). Four layers of
 # the real widths and vocabulary keep every code path and every shape but depth.
 CUT = ["model.layers=4", "train.steps=2", "train.checkpoint_every=1", "rollout.num_generations=2",
        "rollout.max_new_tokens=16", "eval.max_new_tokens=16", "eval.batch_size=8",
-       "data.source=arithmetic", "data.num_train=64", "data.num_eval=8", "train.deadline=8h45m"]
+       "data.num_train=64", "train.deadline=8h45m"]
+JUDGE_CUT = ["judge.model.layers=4", "judge.check=false"]
 
 
-def write_checkpoint(preset: str, out: pathlib.Path) -> None:
-  """Random weights of the preset's model in the upstream layout, and the embedded tokenizer."""
+def cuts(cfg, judge_dir: pathlib.Path) -> list[str]:
+  """CUT, the data the rehearsal draws (GSM8K -> the arithmetic set, held-out parts cut) and,
+  where the preset has a judge model of its own, the random judge's checkpoint and cuts."""
+  out = list(CUT)
+  if cfg.data.mixture is None:
+    out += ["data.source=arithmetic", "data.num_eval=8"]
+  else:
+    mix, default = [], {f.name: f.default for f in dataclasses.fields(cfg.data.mixture[0])}
+    for m in cfg.data.mixture:
+      m = {k: v for k, v in dataclasses.asdict(m).items() if v != default[k]}
+      m.setdefault("source", default["source"])
+      if m["source"] == "gsm8k":
+        m.update(source="arithmetic", category="math", num_eval=8)
+      mix.append({**m, "num_eval": min(m["num_eval"], 8)})
+    out.append(f"data.mixture={json.dumps(mix)}")
+  if own_judge(cfg):
+    out += [f"judge.model.path={judge_dir}", *JUDGE_CUT]
+  return out
+
+
+def own_judge(cfg) -> bool:
+  uses = any(r.fn == "judge" for r in cfg.rewards)
+  return uses and cfg.judge.model is not None and cfg.judge.model.source == "kaggle"
+
+
+def write_checkpoint(preset: str, out: pathlib.Path, section: str) -> None:
+  """Random weights of the preset's model (or its judge's, 4 layers) in the upstream layout, and
+  the embedded tokenizer."""
   import jax
   import orbax.checkpoint as ocp
   from flax import nnx
 
   from reasoner import export, mesh as mesh_lib
-  from reasoner.config import load_config
   from reasoner.models import gemma, gguf
 
-  cfg = load_config(ROOT / "configs" / f"{preset}.yaml")
+  cfg = load_config(ROOT / "configs" / f"{preset}.yaml", JUDGE_CUT if section == "judge" else [])
+  m = cfg.model if section == "model" else cfg.judge.model
   mesh = mesh_lib.make_mesh(cfg.mesh)
-  spec = gemma.model_spec(cfg.model)
+  spec = gemma.model_spec(m)
   model = gemma.init_random(spec, mesh, 0)
   params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  variant = m.kaggle_handle.split("/")[3] if m.kaggle_handle else m.name
   with ocp.PyTreeCheckpointer() as c:
-    c.save(out / export.variant_name(cfg), export.upstream_tree(spec.family, params))
+    c.save(out / variant, export.upstream_tree(spec.family, params))
   tok = gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()
   (out / "tokenizer.model").write_bytes(tok.model_proto)
   del model, params
@@ -76,22 +112,28 @@ def report(rows: list) -> None:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("preset", help="gemma3_1b or gemma2_2b (configs/<preset>.yaml)")
+  ap.add_argument("preset", help="gemma3_1b, gemma2_2b or gemma3_1b_general (configs/<preset>"
+                  ".yaml)")
   ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (the mesh's size)")
   ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
   ap.add_argument("--write-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+  ap.add_argument("--section", default="model", choices=["model", "judge"], help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.write_checkpoint:
-    return write_checkpoint(args.preset, pathlib.Path(args.write_checkpoint))
+    return write_checkpoint(args.preset, pathlib.Path(args.write_checkpoint), args.section)
   work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix=f"rehearse-{args.preset}-"))
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}",
              JAX_PLATFORMS="cpu")
   py, cfg = sys.executable, str(ROOT / "configs" / f"{args.preset}.yaml")
-  ckpt, runs = work / "kaggle", work / "runs"
-  common = [f"model.path={ckpt}", f"train.run_dir={runs}", *CUT]
+  ckpt, runs, judge = work / "kaggle", work / "runs", work / "judge"
+  preset = load_config(cfg)
+  common = [f"model.path={ckpt}", f"train.run_dir={runs}", *cuts(preset, judge)]
   rows: list = []
   phase("write random checkpoint", [py, __file__, args.preset, "--write-checkpoint", str(ckpt)],
         rows, env)
+  if own_judge(preset):
+    phase("write random judge (4 layers)", [py, __file__, args.preset, "--write-checkpoint",
+                                            str(judge), "--section", "judge"], rows, env)
   phase("plan (CPU devices)", [py, "-m", "reasoner", "plan", "--config", cfg, "--topology", "cpu",
                                "--no-search", *common], rows, env)
   phase("session 1: train 2 steps", [py, "-m", "reasoner", "train", "--config", cfg, *common,

@@ -3,12 +3,13 @@
 
     A_t = kl_coef * (log pi_teacher(y_t) - log pi_student(y_t))   [+ reward_weight * A_group]
 
-is each token's advantage in GRPO's clipped objective (`objectives.grpo`, one pass: the ratio is
-1, so the gradient is -A_t grad log pi_student(y_t), token-mean). A sampled token the teacher
-finds likelier than the student is pushed up, one it finds unlikely down: a dense signal where a
-reward says one number a completion. The student's log-probs are the sampler's (of the
-distribution it drew from); the teacher's come from one batched forward over prompt +
-completion on its own devices (`engine.teacher`), at the same temperature. With
+is each token's advantage in GRPO's clipped objective (`objectives.grpo`; in one pass the ratio
+is 1, so the gradient is -A_t grad log pi_student(y_t), token-mean; `grpo.num_iterations` > 1
+takes mu clipped passes on each rollout, pi_old from the trainer's own forward, as GRPO does). A
+sampled token the teacher finds likelier than the student is pushed up, one it finds unlikely
+down: a dense signal where a reward says one number a completion. The student's log-probs are
+the sampler's (of the distribution it drew from); the teacher's come from one batched forward
+over prompt + completion on its own devices (`engine.teacher`), at the same temperature. With
 `distill.reward_weight` > 0 the run's rewards add their group advantage to every token of a row.
 
 Logged: distill/reverse_kl (the token mean of log pi_student - log pi_teacher, the quantity
@@ -24,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reasoner import mesh as mesh_lib
 from reasoner.engine import rollout as rollout_lib, teacher as teacher_lib
-from reasoner.engine.trainer import Stage, check_finite
+from reasoner.engine.trainer import Stage
 from reasoner.objectives import grpo
 
 
@@ -63,14 +63,10 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
   adv = token_advantages(student, teacher, mask, rewards, g, cfg.distill.kl_coef,
                          cfg.distill.reward_weight, cfg.grpo.scale_rewards,
                          1 if cfg.grpo.advantage_std == "sample" else 0)
-  arrays = {**host, "advantages": adv, "old_logp": student,
-            "ref_logp": np.zeros_like(student)}
-  batch = grpo.Batch(**{k: mesh_lib.put_batch(setup.mesh, arrays[k])
-                        for k in grpo.Batch._fields})
-  state, step_metrics = trainer.train_step(state, batch)
-  step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-  check_finite(step_metrics["loss"], step)
   r = rollout_lib.Rollout(host, rewards, [groups], chosen, trained)
+  batch = grpo.batch_from_rollout(setup, trainer, state.lora, r, advantages=adv)
+  state, step_metrics = grpo.passes(setup, trainer, state, batch, step)
+  step_metrics = {k: float(v) for k, v in step_metrics.items()}
   on = comps.mask
   dt = time.perf_counter() - t0
   return state, {**rollout_lib.metrics(r), **step_metrics, **curriculum,

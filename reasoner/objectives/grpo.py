@@ -277,13 +277,16 @@ class GRPOTrainer(Trainer):
                                     mask, batch.sampler_logp, seq, obj=self.obj)}
 
 
-def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout) -> Batch:
-  """The rollout's groups with their advantages, placed on the mesh; pi_old from the trainer's
-  own forward (mu > 1) and the reference's log-probs (beta > 0: the base under the LoRA the
-  run started from, `setup.reference`, or under none)."""
+def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout,
+                       advantages: np.ndarray | None = None) -> Batch:
+  """The rollout's groups with their advantages (the rewards' group advantages, or per-token
+  `advantages` [R, N]: distillation's), placed on the mesh; pi_old from the trainer's own
+  forward (mu > 1) and the reference's log-probs (beta > 0: the base under the LoRA the run
+  started from, `setup.reference`, or under none)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  adv = np.asarray(group_advantages(jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
-                                    ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
+  adv = advantages if advantages is not None else np.asarray(group_advantages(
+      jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
+      ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
   host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"]}
   batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
   fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
@@ -314,14 +317,21 @@ def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
   batch, metrics = rollout(setup, sampler, trainer, state.lora, next(data),
                            jax.random.fold_in(state.key, step), draw=lambda: next(data),
                            observe=lambda r: rollout_lib.observe(data, step, r.rounds))
-  for _ in range(setup.cfg.grpo.num_iterations):
-    state, step_metrics = trainer.train_step(state, batch)
-  step_metrics = jax.device_get(step_metrics)
-  check_finite(float(step_metrics["loss"]), step)
+  state, step_metrics = passes(setup, trainer, state, batch, step)
   dt = time.perf_counter() - t0
   tokens = metrics.pop("tokens")  # counted on the host: the batch spans every process
   metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
                  tokens_per_s=float(tokens / dt))
+  return state, metrics
+
+
+def passes(setup, trainer: GRPOTrainer, state, batch: Batch, step: int) -> tuple:
+  """mu (`grpo.num_iterations`) optimisation passes on one rollout batch: (state, the last
+  pass's metrics on the host), its loss checked finite."""
+  for _ in range(setup.cfg.grpo.num_iterations):
+    state, metrics = trainer.train_step(state, batch)
+  metrics = jax.device_get(metrics)
+  check_finite(float(metrics["loss"]), step)
   return state, metrics
 
 
