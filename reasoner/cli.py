@@ -8,6 +8,7 @@ import logging
 import os
 import pathlib
 import shlex
+import signal
 import sys
 
 from reasoner.config import load_config
@@ -61,6 +62,16 @@ def loop_interrupted():
   return loop.Interrupted if loop else type("NeverRaised", (Exception,), {})
 
 
+class Terminated(BaseException):
+  """SIGTERM outside the training loop, which has its own handler (the load, the first compile,
+  an evaluation): a BaseException, as KeyboardInterrupt is, so that no `except Exception` on the
+  way swallows it."""
+
+
+def _terminated(signum, frame):
+  raise Terminated()
+
+
 def _say(text: str) -> None:
   """One write: a background thread printing meanwhile cannot split the line."""
   sys.stderr.write(text)
@@ -110,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   for noisy in ("absl", "jax._src", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  old = signal.signal(signal.SIGTERM, _terminated)  # the loop's own replaces it while it runs
+  try:
+    return _main(args, argv, debug)
+  finally:
+    signal.signal(signal.SIGTERM, old)
+
+
+def _main(args, argv: list[str], debug: bool) -> int:
+  """main's body: the errors a user sees, each one line (`errors`), and the exit status."""
   try:
     cfg = load_config(args.config, args.overrides)
     _run(args, cfg, argv)
@@ -126,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
   except loop_interrupted() as e:
     _say(f"{e}\n")
     return e.code
-  except KeyboardInterrupt:
-    print("interrupted; the latest checkpoint is intact, re-run the same command to resume",
-          file=sys.stderr)
-    return 130
+  except (KeyboardInterrupt, Terminated) as e:
+    name, code = ("SIGINT", 130) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", 143)
+    _say(f"{name}: stopped outside the training loop; the latest checkpoint is intact, re-run "
+         "the same command to resume\n")
+    return code
   return 0
 
 

@@ -26,6 +26,15 @@ class RewardError(UserError, RuntimeError):
   """A reward function raised or returned something unusable."""
 
 
+class RewardTimeout(RewardError):
+  """A reward function did not return within its `rewards[].timeout_s`."""
+
+
+class RewardInterrupted(Exception):
+  """A signal arrived while a reward was scoring: the step in flight is dropped (not an error:
+  the loop saves and stops as for any signal)."""
+
+
 class CheckpointError(ConfigError):
   """A checkpoint cannot be found, read or written, or does not fit this run."""
 

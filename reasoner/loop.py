@@ -31,7 +31,7 @@ from reasoner.engine.checkpoint import (Checkpointer, find_checkpoints, load_ref
 from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler
 from reasoner.engine.trainer import Stage, checkpoint_tree
-from reasoner.errors import write_error
+from reasoner.errors import RewardInterrupted, RewardTimeout, write_error
 from reasoner.evaluation import evaluate_all
 from reasoner.mesh import agreed, largest
 from reasoner.objectives import distill, grpo, preference, sft
@@ -182,6 +182,8 @@ class Run:
     if threading.current_thread() is not threading.main_thread():
       yield received
       return
+    cancel = self.setup.rewards.cancel  # a reward that hangs is not waited for
+    cancel.clear()
 
     def on_signal(signum, frame):
       if received:
@@ -189,6 +191,7 @@ class Run:
               "checkpoint is intact)", file=sys.stderr, flush=True)
         os._exit(128 + signum)
       received.append(signum)
+      cancel.set()
       print(f"{signal.Signals(signum).name}: finishing the step in flight, then saving "
             "(again to exit at once)", file=sys.stderr, flush=True)
 
@@ -210,8 +213,13 @@ class Run:
         received.append(sig)
       if sig or agreed(clock.stop_before_next_step(eval_after=True)):
         break
-      with clock.timed("step"):
-        state, metrics = self._step(state, step)
+      try:
+        with clock.timed("step"):
+          state, metrics = self._step(state, step)
+      except RewardInterrupted:  # a signal while a reward scored: the step in flight is dropped
+        break
+      except RewardTimeout as e:
+        raise self._timed_out(e, step, saved, state) from None
       self.writer.log(step + 1, metrics)
       bar.set_postfix(_postfix(metrics))
       done = step + 1 == cfg.train.steps
@@ -228,6 +236,16 @@ class Run:
       self._save(step, state)
     return step, state
 
+  def _timed_out(self, e: RewardTimeout, step: int, saved: int, state) -> RewardTimeout:
+    """The line for a reward past its time limit during step `step` + 1 (not trained on),
+    after saving the steps before it."""
+    if step != saved:
+      self._save(step, state)
+    kept = (f"step {step} is saved in {self.path / 'checkpoints'}" if step else
+            "no step had been trained")
+    return RewardTimeout(f"{e} at step {step + 1}: that step was not trained on; {kept}; "
+                         f"continue with: {self.command or 'the same command'}")
+
   def _init_from(self, state, say):
     """`state` with the LoRA of lora.init_from's newest readable checkpoint (an SFT run's)."""
     folder = find_checkpoints(self.cfg.lora.init_from, "lora.init_from")
@@ -239,6 +257,7 @@ class Run:
   def _step(self, state, step: int):
     state, metrics = STAGES[self.stage].step(self.setup, self.sampler, self.trainer, state,
                                              self.data, step)
+    metrics.update(self.setup.rewards.take_timeouts())
     if "rollout_s" in metrics:
       self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))
     if "samples" in metrics:

@@ -21,10 +21,17 @@ class RewardSpec:
   fn: str
   weight: float = 1.0
   categories: tuple[str, ...] | None = None
+  # the longest a call may take (a batch of completions; the judge's too). Past it: `stop`, the
+  # step in flight is not trained on and the run stops with one line, its state saved; `zero`,
+  # the rows it did not score get 0 and the count is logged (reward/<fn>/timeouts)
+  timeout_s: float = 600.0
+  on_timeout: Literal["stop", "zero"] = "stop"
 
   def __post_init__(self):
     if self.weight < 0:
       _fail("rewards[].weight", self.weight, "a non-negative number")
+    if not self.timeout_s > 0:
+      _fail("rewards[].timeout_s", self.timeout_s, "a positive number of seconds")
     if self.categories is not None and (not self.categories or not all(self.categories)):
       _fail("rewards[].categories", list(self.categories),
             "a non-empty list of category names, or null for every record")

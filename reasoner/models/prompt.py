@@ -44,8 +44,8 @@ def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int
             ) -> tuple[jax.Array, dict | None, dict]:
   """Each prompt once through the model -> its last hidden state [B, D] and the decode cache:
   shared (`models.decode`), the prompts' keys and values and an empty cache for the B * G rows'
-  N new tokens, those rows over `rows` (`mesh.decode_rows`); otherwise (Gemma 2, Tunix's decode) the prompt's cache repeated to its G rows,
-  with room for N more."""
+  N new tokens, those rows over `rows` (`mesh.decode_rows`); otherwise (Gemma 2, Tunix's
+  decode) the prompt's cache repeated to its G rows, with room for N more."""
   tcfg, dtype = model.config, model.embedding().dtype
   b, p = prompt.shape
   size = p if shared else p + n

@@ -7,21 +7,29 @@ or None; `data.sources.rubric`).
 Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
 row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
 whatever the weights, and a math row can be scored by `correct` while an essay is scored by
-`relevance`. User functions of a batch run concurrently in threads (slow ones, e.g. a remote
-judge, overlap), the built-ins in the calling thread (math-verify's timeouts need the main
-thread's signals).
+`relevance`. User functions and the judge run concurrently in threads of their own (slow ones,
+e.g. a remote judge, overlap), each waited for at most its `rewards[].timeout_s`: past it the
+batch stops with `RewardTimeout` (`on_timeout: stop`) or that reward's rows get 0, counted in
+`timeouts` (`zero`). A signal while waiting (`cancel`, set by the loop's handler) raises
+`RewardInterrupted` within a quarter of a second, not when the reward returns; the thread is a
+daemon, so a call that never returns does not keep the process alive. The other built-ins run
+in the calling thread, bounded by their own code (math-verify's timeouts need the main thread's
+signals).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import importlib
+import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from reasoner.config import RewardSpec
-from reasoner.errors import ConfigError, DataError, RewardError
+from reasoner.errors import ConfigError, DataError, RewardError, RewardInterrupted, RewardTimeout
 from reasoner.rewards.builtin import correct, format_exact, format_partial, relevance, repetition
 
 RewardFn = Callable[..., list[float]]
@@ -61,7 +69,7 @@ class Rewards:
   """The configured reward functions: their weights, the categories each scores, and the
   scoring of a batch (`__call__`)."""
 
-  def __init__(self, specs: Sequence[RewardSpec], workers: int = 8):
+  def __init__(self, specs: Sequence[RewardSpec]):
     self.specs = list(specs)
     total = sum(s.weight for s in specs)
     # a name per reward: the function's, with its categories where it appears more than once
@@ -73,7 +81,8 @@ class Rewards:
                         "twice for the same categories")
     self.fns = [resolve(s.fn) for s in specs]
     self.weights = np.asarray([s.weight / total for s in specs], np.float32)
-    self.workers = workers
+    self.cancel = threading.Event()  # set by a signal: stop waiting for any reward
+    self.timeouts: collections.Counter = collections.Counter()  # on_timeout: zero, rows
 
   def bind(self, name: str, fn: RewardFn) -> None:
     """Replaces built-in `name` (the judge, once its model is loaded) by `fn`."""
@@ -97,6 +106,14 @@ class Rewards:
         if getattr(self.fns[k], "needs_answer", False) and r.get("answer") is None:
           raise DataError(f"{where}, record {i} (category {cat!r}) has no reference answer "
                           f"(data.answer_field), which reward '{self.names[k]}' needs")
+
+  def take_timeouts(self) -> dict[str, int]:
+    """{`reward/<name>/timeouts`: rows zeroed since the last call} for the rewards that zero
+    (0 where none timed out, so that the column is there from the first step)."""
+    out = {f"reward/{n}/timeouts": self.timeouts[n]
+           for n, s in zip(self.names, self.specs) if s.on_timeout == "zero"}
+    self.timeouts.clear()
+    return out
 
   def _score(self, k: int, rows: list[int], prompts, completions, batch) -> np.ndarray:
     """Reward k on `rows` -> [n] values, NaN on the rows it does not score."""
@@ -134,10 +151,10 @@ class Rewards:
     # user functions (a judge, a remote call) in threads; the built-ins, quick, in this one:
     # math-verify's timeouts use signals, which only the main thread can set (in a worker
     # thread every answer it parses came out wrong)
-    pooled = [k for k, s in enumerate(self.specs) if s.fn not in BUILTIN]
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(pooled)))) as pool:
-      futures = {k: pool.submit(score, k) for k in pooled}
-      values = [futures[k].result() if k in futures else score(k) for k in range(len(self.fns))]
+    futures = {k: _in_thread(lambda k=k: score(k)) for k, s in enumerate(self.specs)
+               if s.fn not in BUILTIN or s.fn == "judge"}
+    values = [self._wait(k, futures[k], rows[k], n) if k in futures else score(k)
+              for k in range(len(self.fns))]
     scored = np.stack([~np.isnan(v) for v in values])
     if n and not scored.any(0).all():
       j = int(np.argmin(scored.any(0)))
@@ -145,3 +162,39 @@ class Rewards:
     weights = np.where(scored, self.weights[:, None], 0.0)
     total = (weights * np.nan_to_num(np.stack(values))).sum(0) / np.maximum(weights.sum(0), 1e-9)
     return np.asarray(total, np.float32), dict(zip(self.names, values))
+
+  def _wait(self, k: int, future: concurrent.futures.Future, rows: list[int], n: int
+            ) -> np.ndarray:
+    """Reward k's values once its thread returns, within `timeout_s` (module doc)."""
+    spec, start = self.specs[k], time.monotonic()
+    while True:
+      left = spec.timeout_s - (time.monotonic() - start)
+      try:
+        return future.result(timeout=max(0.0, min(0.25, left)))
+      except concurrent.futures.TimeoutError:
+        if self.cancel.is_set():
+          raise RewardInterrupted(f"a signal arrived while reward '{self.names[k]}' scored")
+        if left <= 0:
+          break
+    if spec.on_timeout == "zero":
+      self.timeouts[self.names[k]] += len(rows)
+      out = np.full(n, np.nan, np.float32)
+      out[rows] = 0.0
+      return out
+    raise RewardTimeout(f"reward function '{self.names[k]}' did not return within "
+                        f"{spec.timeout_s:g} s (rewards[{k}].timeout_s; on_timeout: zero "
+                        "scores such rows 0 instead)")
+
+
+def _in_thread(fn: Callable[[], np.ndarray]) -> concurrent.futures.Future:
+  """`fn()` in a daemon thread of its own: a call that never returns keeps no process alive."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+
+  def run():
+    try:
+      future.set_result(fn())
+    except BaseException as e:  # handed to the waiting thread, which raises it
+      future.set_exception(e)
+
+  threading.Thread(target=run, daemon=True, name="reward").start()
+  return future
