@@ -41,12 +41,18 @@ def dense_grade_probs(model, tokenizer, texts, grades):
   from reasoner.engine import heads
   from reasoner.models.cache import causal_mask, positions_from_mask
 
+  from flax import nnx
+
   ids = jnp.asarray([tokenizer.encode(g)[0] for g in grades])
-  out = []
-  for text in texts:
-    tokens = jnp.asarray([tokenizer.encode(text, add_bos=True)])
+
+  @nnx.jit  # jitted: eager ops on 8 fake devices, each its own rendezvous, aborted XLA:CPU once
+  def last_logits(model, tokens):
     valid = jnp.ones_like(tokens, bool)
     h, _ = model.hidden_states(tokens, positions_from_mask(valid), None, causal_mask(valid))
-    z = heads.logits(h[:, -1], model.embedding(), model.logit_softcap)[0]
+    return heads.logits(h[:, -1], model.embedding(), model.logit_softcap)[0]
+
+  out = []
+  for text in texts:
+    z = last_logits(model, jnp.asarray([tokenizer.encode(text, add_bos=True)]))
     out.append(np.asarray(jax.nn.softmax(z[ids])))
   return np.stack(out)
