@@ -71,7 +71,8 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
               "completion": t, "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
   result = {"mean_reward": float(np.mean(totals)), "accuracy": rewards_lib.nan_mean(correct),
             "format_rate": float(np.mean(fmt)), "n": len(records),
-            **by_category(totals, [r.get("category") for r in records])}
+            **by_category(totals, [r.get("category") for r in records]),
+            **setup.rewards.take_timeouts()}  # this evaluation's, not the next step's
   if cfg.eval.samples:
     result.update(sampled(setup, sampler, lora, records))
   return result, rows

@@ -280,8 +280,7 @@ def _write(tmp: pathlib.Path, setup, cfg: Config, params, family: str, variant: 
 
 def variant_name(cfg: Config) -> str:
   """The checkpoint folder's name: the Kaggle variation trained from, else the model's name."""
-  handle = cfg.model.kaggle_handle
-  return handle.split("/")[3] if cfg.model.source == "kaggle" and handle else cfg.model.name
+  return kaggle.variant(cfg.model) or cfg.model.name
 
 
 def _sync(name: str) -> None:

@@ -100,6 +100,9 @@ def test_on_timeout_zero_logs_the_count_and_trains_on(tmp_path):
   rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
   counts = [r["reward/hang_reward:hang/timeouts"] for r in rows if "loss" in r]
   assert counts == [0, 8]  # step 1 scored (2 prompts x 4), step 2 timed out on all 8 rows
+  # the evaluation after (8 held-out problems, the reward still hanging) counts its own
+  assert [r["eval/reward/hang_reward:hang/timeouts"] for r in rows
+          if "eval/reward/hang_reward:hang/timeouts" in r] == [8]
   assert _steps(tmp_path) == [1, 2]
 
 

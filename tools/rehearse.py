@@ -5,7 +5,7 @@ random-weight checkpoint of the real shapes, written in the Kaggle Flax layout (
 sharded, written by orbax shard by shard) with the embedded model's `tokenizer.model`. Lengths
 are cut (steps, G, new tokens, held-out problems, and the first 4 of the decoder layers, read from
 the full checkpoint) and GSM8K is replaced by the generated arithmetic set (it needs the
-network; a mixture keeps its other sources, their held-out parts cut to 4). A preset with a
+network; a mixture keeps its other sources, each held-out part cut to 8 at most). A preset with a
 judge of its own (gemma3_1b_general: a Gemma 3 12B-it on 4 of the 8 chips) gets a random judge
 checkpoint of the judge's real widths and vocabulary, its first 4 layers written and read, on
 its own devices; a random judge cannot pass `judge.check`, so the rehearsal turns the check off
@@ -48,11 +48,11 @@ def cuts(cfg, judge_dir: pathlib.Path) -> list[str]:
   else:
     mix, default = [], {f.name: f.default for f in dataclasses.fields(cfg.data.mixture[0])}
     for m in cfg.data.mixture:
-      m = {k: v for k, v in dataclasses.asdict(m).items() if v != default[k]}
-      m.setdefault("source", default["source"])
-      if m["source"] == "gsm8k":
-        m.update(source="arithmetic", category="math", num_eval=8)
-      mix.append({**m, "num_eval": min(m["num_eval"], 8)})
+      d = {k: v for k, v in dataclasses.asdict(m).items() if v != default[k]}
+      d.update(source=m.source, num_eval=min(m.num_eval, 8))
+      if m.source == "gsm8k":
+        d.update(source="arithmetic", category="math")
+      mix.append(d)
     out.append(f"data.mixture={json.dumps(mix)}")
   if own_judge(cfg):
     out += [f"judge.model.path={judge_dir}", *JUDGE_CUT]
@@ -72,7 +72,7 @@ def write_checkpoint(preset: str, out: pathlib.Path, section: str) -> None:
   from flax import nnx
 
   from reasoner import export, mesh as mesh_lib
-  from reasoner.models import gemma, gguf
+  from reasoner.models import gemma, gguf, kaggle
 
   cfg = load_config(ROOT / "configs" / f"{preset}.yaml", JUDGE_CUT if section == "judge" else [])
   m = cfg.model if section == "model" else cfg.judge.model
@@ -80,9 +80,8 @@ def write_checkpoint(preset: str, out: pathlib.Path, section: str) -> None:
   spec = gemma.model_spec(m)
   model = gemma.init_random(spec, mesh, 0)
   params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  variant = m.kaggle_handle.split("/")[3] if m.kaggle_handle else m.name
   with ocp.PyTreeCheckpointer() as c:
-    c.save(out / variant, export.upstream_tree(spec.family, params))
+    c.save(out / (kaggle.variant(m) or m.name), export.upstream_tree(spec.family, params))
   tok = gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()
   (out / "tokenizer.model").write_bytes(tok.model_proto)
   del model, params

@@ -221,12 +221,17 @@ def resolve(m: ModelConfig) -> tuple[str, pathlib.Path | str]:
   raise _missing(handle, f"{host}:{port} cannot be reached (offline?); connect to the network")
 
 
+def variant(m: ModelConfig) -> str | None:
+  """A Kaggle model's variation, its checkpoint folder's name (google/gemma-3/flax/gemma3-1b-it
+  -> gemma3-1b-it); None for other sources or without a handle."""
+  return m.kaggle_handle.split("/")[3] if m.source == "kaggle" and m.kaggle_handle else None
+
+
 def fetch(m: ModelConfig) -> Layout:
   """The checkpoint on local disk: model.path, kagglehub's cache, or a fresh download."""
   kind, where = resolve(m)
-  variant = (m.kaggle_handle or "").split("/")[3] if m.kaggle_handle else None
   if kind == "path":
-    return find_layout(pathlib.Path(where), variant, tokenizer=m.tokenizer != "bytes")
+    return find_layout(pathlib.Path(where), variant(m), tokenizer=m.tokenizer != "bytes")
   import kagglehub
 
   log.info("downloading %s with kagglehub (credentials: %s) ...", where,
@@ -235,7 +240,7 @@ def fetch(m: ModelConfig) -> Layout:
     local = kagglehub.model_download(str(where))
   except Exception as e:  # kagglehub raises HTTP, auth and connection errors of many types
     raise KaggleError(_download_error(str(where), e)) from None
-  return find_layout(pathlib.Path(local), variant, key="model.kaggle_handle")
+  return find_layout(pathlib.Path(local), variant(m), key="model.kaggle_handle")
 
 
 def _scrub(text: str) -> str:
