@@ -137,6 +137,24 @@ def test_on_chip_buffers_are_not_hbm_traffic_and_async_collectives_count_once():
       hlo.Collective("collective-permute", 2, 16): 1}
 
 
+def test_one_async_collective_split_over_fusions_counts_once_per_channel():
+  """TPU splits one asynchronous all-gather into a start fusion, a continuation fused with the
+  dot it overlaps, and a done fusion, each holding the op with one channel_id: one gather (read
+  in the tiny model's v5e log-prob forward, docs/LOG.md); another channel is another gather."""
+  ag = ("  %ag{i} = bf16[2,32,64]{{1,2,0}} all-gather(%p{i}), channel_id={ch}, "
+        "replica_groups=mesh['axis_0'=8] {{'axis_0'}}, dimensions={{2}}\n")
+  comps, calls = "", ""
+  for i, ch in enumerate([7, 7, 7, 9]):
+    comps += (f"%f{i} (p{i}: bf16[2,32,8]) -> bf16[2,32,64] {{\n"
+              f"  %p{i} = bf16[2,32,8]{{1,2,0}} parameter(0)\n" + ag.format(i=i, ch=ch)
+              + f"  ROOT %r{i} = bf16[2,32,64]{{1,2,0}} copy(%ag{i})\n}}\n\n")
+    calls += f"  %u{i} = bf16[2,32,64]{{1,2,0}} fusion(%b), kind=kCustom, calls=%f{i}\n"
+  text = (comps + "ENTRY %main (b: bf16[2,32,8]) -> bf16[2,32,64] {\n"
+          "  %b = bf16[2,32,8]{1,2,0} parameter(0)\n" + calls
+          + "  ROOT %o = bf16[2,32,64]{1,2,0} copy(%u3)\n}\n")
+  assert hlo.analyse(text).collectives == {hlo.Collective("all-gather", 8, 2 * 32 * 64 * 2): 2}
+
+
 def test_search_finds_the_largest_fitting_batch_in_few_compiles():
   calls = []
 

@@ -10,7 +10,10 @@ induction variable or its condition's bound):
   their layout (VMEM `S(1)`); a prefetch (`copy-start`) counts its HBM source once, the
   on-chip copy and its `-done` nothing;
 - every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
-  sync or `-start`ed, in fusions too): its kind, group size and bytes, counted per run.
+  sync or `-start`ed, in fusions too): its kind, group size and bytes, counted per run. TPU
+  splits one asynchronous collective into a start fusion, continuation fusions (fused with the
+  compute that overlaps it) and a done fusion, each holding the op with the same channel_id:
+  inside fusions a collective counts once per channel_id of the computation that runs them.
 """
 
 from __future__ import annotations
@@ -239,12 +242,16 @@ class Cost:
   bytes: float = 0.0
   collectives: dict[Collective, float] = dataclasses.field(default_factory=dict)
   loops: list[tuple[int, "Cost"]] = dataclasses.field(default_factory=list)  # (trips, body)
+  # a fusion body's collectives by channel_id, which the computation that runs the fusions
+  # counts once per channel (TPU's async start, continuations and done each hold the op)
+  channels: dict[str, Collective] = dataclasses.field(default_factory=dict)
 
   def add(self, other: "Cost", times: float = 1.0) -> "Cost":
     self.flops += times * other.flops
     self.bytes += times * other.bytes
     for c, n in other.collectives.items():
       self.collectives[c] = self.collectives.get(c, 0.0) + times * n
+    self.channels.update(other.channels)
     return self
 
   @property
@@ -301,7 +308,10 @@ def analyse(text: str) -> Cost:
         for c in called("calls") + called("to_apply"):
           total.add(walk(c, top))
       elif (coll := _collective(op, comp)) is not None:
-        if coll.group > 1:  # a group of one chip moves nothing
+        channel = re.search(r"channel_id=(\d+)", op.attrs)
+        if coll.group > 1 and not top and channel:
+          total.channels[channel.group(1)] = coll
+        elif coll.group > 1:  # a group of one chip moves nothing
           total.collectives[coll] = total.collectives.get(coll, 0.0) + 1
         total.bytes += _op_bytes(op, comp) if top else 0.0
       elif op.op == "fusion":
@@ -314,6 +324,10 @@ def analyse(text: str) -> Cost:
         total.bytes += _op_bytes(op, comp) if top else 0.0
       elif top:
         total.bytes += _op_bytes(op, comp)
+    if top:  # the fusions' collectives, once per channel
+      for coll in total.channels.values():
+        total.collectives[coll] = total.collectives.get(coll, 0.0) + 1
+      total.channels = {}
     memo[(name, top)] = total
     return total
 
