@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from reasoner import mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
-from reasoner.engine.checkpoint import held_back, restore_lora
+from reasoner.engine.checkpoint import held_back, remove_until_gone, restore_lora
 from reasoner.errors import is_write_failure, write_error
 from reasoner.models import gemma, kaggle
 
@@ -237,8 +237,8 @@ def export(cfg: Config, out: str | pathlib.Path, step: int | None = None,
     with held_back():  # orbax's writer threads print what a failed write raises
       _write(tmp, setup, cfg, params, family, variant, got, formats)
   except Exception as e:
-    if jax.process_index() == 0:
-      shutil.rmtree(tmp, ignore_errors=True)
+    if jax.process_index() == 0:  # a write still in flight may land after the failure
+      remove_until_gone(tmp.parent, tmp.name)
     if is_write_failure(e):
       raise ConfigError(f"cannot export to {out}: {write_error(e, out.parent)}; nothing was "
                         f"left there") from e

@@ -64,6 +64,19 @@ sys.unraisablehook = _quiet_closed_loop()
 logging.getLogger("asyncio").addFilter(_OrphanedFailures())
 
 
+def remove_until_gone(directory: pathlib.Path, pattern: str, quiet: float = 1.0,
+                      limit: float = 30.0) -> None:
+  """Removes a failed write's folders (`pattern` under `directory`) until none appears for
+  `quiet` seconds: the writes of a save still in flight when its first write failed finish later
+  and recreate them."""
+  start = last_seen = time.monotonic()
+  while time.monotonic() - last_seen < quiet and time.monotonic() - start < limit:
+    for partial in pathlib.Path(directory).glob(pattern):
+      shutil.rmtree(partial, ignore_errors=True)
+      last_seen = time.monotonic()
+    time.sleep(0.05)
+
+
 class Checkpointer:
   def __init__(self, directory: pathlib.Path, keep: int, read_only: bool = False):
     self.directory = pathlib.Path(directory).absolute()
@@ -91,23 +104,13 @@ class Checkpointer:
         self._mngr.wait_until_finished()
     except Exception as e:
       if jax.process_index() == 0:
-        self._remove_partial(step)
+        remove_until_gone(self.directory, f"{step}.orbax-checkpoint-tmp*")
       self._mngr.reload()
       last = max((s for s in self.all_steps() if s != step), default=None)
       raise CheckpointError(f"cannot save checkpoint {step} in {self.directory}: "
                             f"{write_error(e, self.directory)}; the last whole checkpoint is "
                             f"{last if last is not None else 'none'} (re-running resumes from "
                             f"it)") from e
-
-  def _remove_partial(self, step: int, quiet: float = 1.0, limit: float = 30.0) -> None:
-    """Removes a failed save's temporary folder until it stays gone for `quiet` seconds: the
-    writes of a save still in flight when its first write failed finish later and recreate it."""
-    start = last_seen = time.monotonic()
-    while time.monotonic() - last_seen < quiet and time.monotonic() - start < limit:
-      for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-        shutil.rmtree(partial, ignore_errors=True)
-        last_seen = time.monotonic()
-      time.sleep(0.05)
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
     """Restores into the shardings of `target` (arrays or ShapeDtypeStructs with .sharding).
