@@ -155,6 +155,35 @@ def test_one_async_collective_split_over_fusions_counts_once_per_channel():
   assert hlo.analyse(text).collectives == {hlo.Collective("all-gather", 8, 2 * 32 * 64 * 2): 2}
 
 
+@pytest.mark.parametrize("target,remat", [("cpu", "none"), ("cpu", "block"),
+                                           pytest.param("v5e:2x4", "block", marks=pytest.mark.skipif(
+                                               not HAS_LIBTPU, reason="libtpu is not installed"))])
+def test_each_layer_kernel_is_gathered_once_a_pass(target, remat):
+  """Issue 39: the log-prob forward gathers each layer's kernels at most once for the prompt and
+  the completions together; the train step at most once a direction (forward, backward, and the
+  remat recompute). Counted in the compiled program's HLO (once per channel), for the tiny
+  model split over 8 chips by fsdp; an all-gather of a kernel's size, in its dtype or bf16."""
+  from reasoner.build import build
+
+  cfg = tiny_config("data.max_prompt_tokens=64", "rollout.max_new_tokens=32",
+                    f"model.remat={remat}")
+  devices, chip, _ = plan.target(target)
+  setup = build(cfg, abstract=True, devices=devices)
+  assert dict(setup.mesh.shape) == {"fsdp": 8, "tp": 1}
+  vocab = max(x.shape[0] for x in jax.tree.leaves(setup.base))
+  kernels = [x for x in jax.tree.leaves(setup.base) if x.ndim >= 2 and x.shape[0] != vocab]
+  assert len(kernels) == 6 * setup.spec.num_layers  # q, kv, o, gate, up, down
+  sizes = {x.size * b for x in kernels for b in (2, 4)}
+
+  def gathers(p):
+    return sum(n for c, n in p.collectives.items() if c.kind == "all-gather" and c.bytes in sizes)
+
+  forward = plan.reference_plan(setup, cfg.train.batch_size, chip)
+  train = plan.train_plan(setup, cfg.train.batch_size, chip)
+  assert 0 < gathers(forward) <= len(kernels), forward.collectives
+  assert 0 < gathers(train) <= (3 if remat == "block" else 2) * len(kernels), train.collectives
+
+
 def test_search_finds_the_largest_fitting_batch_in_few_compiles():
   calls = []
 
@@ -202,7 +231,11 @@ def test_compiled_plan_of_the_tiny_config_on_this_host():
   assert rollout.flops > 1.2 * rollout.xla_flops  # 32 decode steps, XLA counts one
   # The sampler's KV-cache estimate is printed beside the compiled figure and fits inside it.
   assert 0 < rollout.kv_cache <= rollout.temporaries
-  assert "KV cache" in report_lib.format_report(report)
+  text = report_lib.format_report(report)
+  assert "KV cache" in text
+  # each program's collectives grouped by kind, group and size, the longest first
+  rows = re.findall(r"all-gather +of 8 chips +([\d.]+) MiB x +(\d+) = +([\d.]+) ms", text)
+  assert rows and all(float(ms) > 0 and int(n) > 0 for _, n, ms in rows)
 
 
 @pytest.mark.parametrize("remat", ["block", "decoder"])

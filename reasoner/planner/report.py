@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reasoner.planner.chips import SESSION, Chip, GiB
+from reasoner.planner.chips import SESSION, Chip, GiB, collective_seconds
 from reasoner.planner.plan import StepPlan, judge_batches, step_seconds
 
 
@@ -28,7 +28,21 @@ def _row(r: StepPlan, chip: Chip) -> str:
           + f"\n{'':11s}{r.flops / 1e12:.3g} TFLOP, {r.bytes / GiB:.3g} GiB HBM traffic, "
           f"{count:.0f} collectives{token}\n{'':11s}est. {r.seconds(chip) * 1e3:.1f} ms, bound "
           f"by {r.bound(chip)} (HBM {t['HBM'] * 1e3:.1f} ms, interconnect "
-          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms)")
+          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms)"
+          + _collectives(r, chip))
+
+
+def _collectives(r: StepPlan, chip: Chip, top: int = 4) -> str:
+  """The program's collectives grouped by kind, group and size, the `top` longest by time
+  (count x the ring model's time of one): what binds, without reading HLO."""
+  ranked = sorted(r.collectives.items(), key=lambda cn: -cn[1] * collective_seconds(cn[0], chip))
+  rows = [f"\n{'':11s}  {c.kind:18s} of {c.group} chips {c.bytes / 2**20:9.3f} MiB x "
+          f"{n:6.0f} = {n * collective_seconds(c, chip) * 1e3:7.2f} ms"
+          for c, n in ranked[:top] if n]
+  rest = sum(n * collective_seconds(c, chip) for c, n in ranked[top:])
+  more = (f"\n{'':11s}  and {len(ranked) - top} other kinds and sizes: {rest * 1e3:.2f} ms"
+          if len(ranked) > top else "")
+  return "".join(rows) + more
 
 
 def format_report(report: dict[str, Any]) -> str:
