@@ -29,19 +29,28 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def logits(model, tokens):
   """Tunix's forward (`__call__`): what Tunix's loaders return."""
-  x = jnp.asarray(tokens, jnp.int32)
-  v = jnp.ones_like(x, bool)
-  return np.asarray(model(x, positions_from_mask(v), None, causal_mask(v))[0])
+  return np.asarray(_forward(model, jnp.asarray(tokens, jnp.int32)))
 
 
 def lora_logits(model, tokens):
   """Our forward (`hidden_states`, where qwix's LoRA applies) through the tied head."""
-  x = jnp.asarray(tokens, jnp.int32)
+  return np.asarray(_lora_forward(model, jnp.asarray(tokens, jnp.int32)))
+
+
+# Jitted: run eagerly over 8 fake devices, XLA:CPU aborted under a loaded machine (CI).
+@nnx.jit
+def _forward(model, x):
+  v = jnp.ones_like(x, bool)
+  return model(x, positions_from_mask(v), None, causal_mask(v))[0]
+
+
+@nnx.jit
+def _lora_forward(model, x):
   v = jnp.ones_like(x, bool)
   h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
   z = jnp.einsum("btd,vd->btv", h, model.embedding())
   cap = model.logit_softcap
-  return np.asarray(z if cap is None else jnp.tanh(z / cap) * cap)
+  return z if cap is None else jnp.tanh(z / cap) * cap
 
 
 def cli(*args):
