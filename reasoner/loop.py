@@ -13,6 +13,7 @@ and export (`session.Clock`), saves, and says how to continue.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pathlib
@@ -208,6 +209,8 @@ class Run:
                desc=self.stage.upper(), unit="step", disable=jax.process_index() != 0)
     step, saved = self.start, self.start
     for step in bar:
+      # the data drawn before this step: a step dropped in flight saves it, not its own draws
+      drawn = copy.deepcopy(self.data.get_state())
       sig = largest(received[0] if received else 0)  # every process stops at the same step
       if sig and not received:
         received.append(sig)
@@ -219,7 +222,7 @@ class Run:
       except RewardInterrupted:  # a signal while a reward scored: the step in flight is dropped
         break
       except RewardTimeout as e:
-        raise self._timed_out(e, step, saved, state) from None
+        raise self._timed_out(e, step, saved, state, drawn) from None
       self.writer.log(step + 1, metrics)
       bar.set_postfix(_postfix(metrics))
       done = step + 1 == cfg.train.steps
@@ -233,14 +236,15 @@ class Run:
       step = cfg.train.steps
     bar.close()
     if step != saved:  # stopped for the deadline or a signal after unsaved steps
-      self._save(step, state)
+      self._save(step, state, drawn)
     return step, state
 
-  def _timed_out(self, e: RewardTimeout, step: int, saved: int, state) -> RewardTimeout:
+  def _timed_out(self, e: RewardTimeout, step: int, saved: int, state,
+                 drawn: dict) -> RewardTimeout:
     """The line for a reward past its time limit during step `step` + 1 (not trained on),
-    after saving the steps before it."""
+    after saving the steps before it (with `drawn`, the data state before that step)."""
     if step != saved:
-      self._save(step, state)
+      self._save(step, state, drawn)
     kept = (f"step {step} is saved in {self.path / 'checkpoints'}" if step else
             "no step had been trained")
     return RewardTimeout(f"{e} at step {step + 1}: that step was not trained on; {kept}; "
@@ -281,9 +285,12 @@ class Run:
         return ref
     return None
 
-  def _save(self, step: int, state) -> None:
+  def _save(self, step: int, state, drawn: dict | None = None) -> None:
+    """Checkpoint `step`: the state and the data drawn so far (`drawn`: as of before a step
+    dropped in flight)."""
     with self.clock.timed("save"):
-      self.ckpt.save(step, checkpoint_tree(state), self.data.get_state())
+      self.ckpt.save(step, checkpoint_tree(state),
+                     self.data.get_state() if drawn is None else drawn)
 
   def _stop_line(self) -> str:
     again = self.command or "the same command"

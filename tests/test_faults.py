@@ -187,8 +187,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
       assert p.returncode == 2 and last < 9, p.stderr[-3000:]
       # the disk fills in a checkpoint's save or in a log's row, whichever comes first: one
       # line either way
-      row = re.compile(rf"error: cannot use {re.escape(str(disk / 'f'))}/(metrics|samples)"
-                       rf"\.jsonl: no space left on its disk \(\d+(\.\d)? (bytes|KiB) free\)")
+      row = re.compile(rf"error: cannot use {re.escape(str(disk / 'f'))}/(metrics\.jsonl|"
+                       rf"samples\.jsonl|tb): no space left on its disk \(\d+(\.\d)? "
+                       rf"(bytes|KiB) free\)")
       line = _errors(p)[0]
       assert (_full_disk_line(last + 1, folder, last).fullmatch(line) or row.fullmatch(line)), (
           p.stderr[-3000:])
@@ -233,6 +234,29 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
       assert not list(small.iterdir())
     finally:
       subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_full_disk_under_tensorboard_names_its_folder_and_keeps_the_row(tmp_path):
+  """Found by `make soak`: TensorBoard's flush on a full disk raised with no file name (a
+  traceback, exit 1), and tensorboardX flushed again at exit and in its thread."""
+  from reasoner.engine.metrics import MetricsWriter
+
+  w = MetricsWriter(tmp_path, enabled=True)
+  w.start(0)
+  w.log(1, {"loss": 1.0})
+  events = w._tb.file_writer.event_writer
+
+  def full():
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  events._ev_writer.flush = full
+  with pytest.raises(OSError) as e:
+    w.log(2, {"loss": 2.0})
+  assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "tb"))
+  assert events._closed  # its exit hook and thread flush no more
+  assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+          ] == [1, 2]
+  w.close()
 
 
 def test_an_unwritable_run_directory_is_one_line_before_anything_loads(tmp_path):

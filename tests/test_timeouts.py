@@ -92,6 +92,30 @@ def test_a_reward_past_its_limit_stops_the_run_with_one_line_and_the_last_step_s
   assert max(r["step"] for r in rows if "loss" in r) == 2
 
 
+def test_a_run_stopped_by_a_timeout_resumes_into_the_uninterrupted_run(tmp_path):
+  """The step dropped in flight had drawn its prompts: the save keeps the data state from before
+  them (found by `make soak`: the resumed run skipped that step's prompts)."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  hang = "rewards=[{fn: 'hang_reward:hang', timeout_s: 2}]"
+  p = _start(tmp_path, hang, "train.checkpoint_every=1000")  # steps 1, 2 unsaved until then
+  assert p.communicate(timeout=600)[0] is not None and p.returncode == 2
+  assert _steps(tmp_path) == [2]
+  again = _start(tmp_path, hang, "train.checkpoint_every=1000", hang_after=99)
+  whole = _start(tmp_path, hang, "train.checkpoint_every=1000", "train.run_name=whole",
+                 hang_after=99)
+  for q in (again, whole):
+    assert q.communicate(timeout=600) and q.returncode == 0
+  runs = [tmp_path / "r", tmp_path / "whole"]
+  a, b = (ocp.StandardCheckpointer().restore(r / "checkpoints" / "4" / "state") for r in runs)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  rows = [[{k: v for k, v in json.loads(l).items() if not k.endswith("_s")}
+           for l in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+  assert rows[0] == rows[1]
+
+
 def test_on_timeout_zero_logs_the_count_and_trains_on(tmp_path):
   p = _start(tmp_path, "rewards=[{fn: 'hang_reward:hang', timeout_s: 1, on_timeout: zero}, "
              "{fn: format_partial}]", "train.steps=2", hang_after=1)

@@ -51,10 +51,15 @@ class MetricsWriter:
       return
     row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
     _append(self.path / "metrics.jsonl", json.dumps(row) + "\n")
-    for k, v in row.items():
-      if k != "step" and isinstance(v, (int, float)):
-        self._tb.add_scalar(k, v, step)
-    self._tb.flush()
+    try:
+      for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+    except OSError as e:  # a full disk: the row is kept, the event file left as it is
+      _abandon(self._tb)
+      self._tb = None
+      raise OSError(e.errno, e.strerror, str(self.path / "tb")) from None
 
   def samples(self, step: int, tag: str, rows: list[dict]) -> None:
     if not self.enabled:
@@ -126,6 +131,23 @@ class MetricsWriter:
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
+
+
+def _abandon(tb) -> None:
+  """Stops a TensorBoard writer whose disk failed without another flush: tensorboardX flushes
+  again at exit (an atexit hook) and in its worker thread, and each would print a traceback.
+  A resumed run purges the event file past its step."""
+  for w in (tb.all_writers or {}).values():
+    ev = w.event_writer
+    if ev._closed:
+      continue
+    ev._closed = True  # what tensorboardX checks before each flush and at exit
+    for stop in (ev._worker.stop, ev._ev_writer.close):
+      try:
+        stop()
+      except OSError:
+        pass
 
 
 def _append(path: pathlib.Path, text: str) -> None:
