@@ -56,3 +56,17 @@ def dense_grade_probs(model, tokenizer, texts, grades):
     z = last_logits(model, jnp.asarray([tokenizer.encode(text, add_bos=True)]))
     out.append(np.asarray(jax.nn.softmax(z[ids])))
   return np.stack(out)
+
+
+def hidden_states(model, *args, **kwargs):
+  """`model.hidden_states` as one jitted program: eager ops over 8 fake devices, each its own
+  rendezvous, aborted XLA:CPU on a loaded machine (a fresh clone's suite beside a compile)."""
+  from flax import nnx
+
+  global _JITTED_HIDDEN
+  if _JITTED_HIDDEN is None:
+    _JITTED_HIDDEN = nnx.jit(lambda m, *a, **k: m.hidden_states(*a, **k))
+  return _JITTED_HIDDEN(model, *args, **kwargs)
+
+
+_JITTED_HIDDEN = None

@@ -16,7 +16,7 @@ from reasoner.config import ConfigError
 from reasoner.engine.sampler import Sampler, SamplingConfig
 from reasoner.engine.teacher import Teacher
 from reasoner.objectives import distill, grpo
-from test_train import dense_completion_logprobs
+from test_train import dense_logprobs
 
 OWN = "distill.teacher={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
 
@@ -50,7 +50,7 @@ def test_the_advantage_is_teacher_minus_student_computed_densely(setup):
                                     jax.random.PRNGKey(5), cfg, num_generations=4)
   t = teacher.logprobs(tok, mask, comps.tokens, comps.mask)
   adv = distill.token_advantages(comps.logprobs, t, comps.mask, np.zeros(8), 4, 1.5, 0.0)
-  dense = lambda lora: np.asarray(dense_completion_logprobs(
+  dense = lambda lora: np.asarray(dense_logprobs(
       setup.model(lora), tok, mask, comps.tokens, comps.mask))
   want = 1.5 * (dense(teacher_lora) - dense(setup.lora))
   np.testing.assert_allclose(adv[comps.mask], want[comps.mask], atol=5e-4)
@@ -70,7 +70,7 @@ def test_a_teacher_of_its_own_lives_on_the_last_four_devices():
   got = t.logprobs(tok, valid, comp, cmask)
   model = nnx.merge(t.graphdef, *t.params)
   assert len(model.layers) == 1  # the teacher's own model, not the policy's two layers
-  want = np.asarray(dense_completion_logprobs(model, tok, valid, comp, cmask))
+  want = np.asarray(dense_logprobs(model, tok, valid, comp, cmask))
   np.testing.assert_allclose(got[cmask], want[cmask], atol=1e-4)
 
 

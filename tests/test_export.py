@@ -22,14 +22,9 @@ from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
 from reasoner.models import gemma, gguf
 from reasoner.models.cache import causal_mask, positions_from_mask
-from test_kaggle import TOKENS, gemma2_spec
+from test_kaggle import TOKENS, gemma2_spec, logits
 
 TINY = ROOT / "configs" / "tiny.yaml"
-
-
-def logits(model, tokens):
-  """Tunix's forward (`__call__`): what Tunix's loaders return."""
-  return np.asarray(_forward(model, jnp.asarray(tokens, jnp.int32)))
 
 
 def lora_logits(model, tokens):
@@ -38,12 +33,6 @@ def lora_logits(model, tokens):
 
 
 # Jitted: run eagerly over 8 fake devices, XLA:CPU aborted under a loaded machine (CI).
-@nnx.jit
-def _forward(model, x):
-  v = jnp.ones_like(x, bool)
-  return model(x, positions_from_mask(v), None, causal_mask(v))[0]
-
-
 @nnx.jit
 def _lora_forward(model, x):
   v = jnp.ones_like(x, bool)

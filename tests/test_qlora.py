@@ -16,7 +16,7 @@ from reasoner import export
 from reasoner.build import build
 from reasoner.config import ConfigError
 from test_export import TOKENS, _export_tree, _noisy, logits, lora_logits
-from test_train import dense_completion_logprobs, random_batch
+from test_train import dense_logprobs, random_batch
 
 # max |logits - float base's| / max |float base's logits| on the tiny random model with 32-input
 # tiles (0.037 for int8, 0.234 for nf4 at these seeds): a bound, not a measure of quality.
@@ -69,7 +69,7 @@ def test_only_lora_trains_and_the_step_is_the_dense_objective(pair):
   trainer = Trainer.for_run(q.graphdef, q.base, q.cfg)
   batch = random_batch(q, prompts=2, g=4, seed=3)
   lora = jax.tree.map(lambda x: x + 0.05, q.lora)
-  logp = dense_completion_logprobs(nnx.merge(f.graphdef, lora, dequantised), *batch[:4])
+  logp = dense_logprobs(nnx.merge(f.graphdef, lora, dequantised), *batch[:4])
   want, _ = grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
                              batch.completion_mask, obj=trainer.obj, loss_agg=q.cfg.grpo.loss_agg,
                              sampler_logp=batch.sampler_logp)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import hidden_states, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.engine import heads
 from reasoner.build import build
@@ -36,11 +36,15 @@ def full_forward_greedy(setup, ids, n):
   model = setup.model()
   ids = list(ids)
   for _ in range(n):
-    x = jnp.asarray([ids])
-    v = jnp.ones_like(x, bool)
-    h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
-    ids.append(int(jnp.argmax(heads.logits(h[0, -1], model.embedding()))))
+    ids.append(int(_greedy_next(model, jnp.asarray([ids]))))
   return ids[-n:]
+
+
+@nnx.jit  # jitted: eager ops over 8 fake devices aborted XLA:CPU on a loaded machine
+def _greedy_next(model, x):
+  v = jnp.ones_like(x, bool)
+  h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
+  return jnp.argmax(heads.logits(h[0, -1], model.embedding()))
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
@@ -82,7 +86,7 @@ def test_gemma2_greedy_decode_on_the_repeated_cache(setup):
     for _ in range(5):
       x = jnp.asarray([ids])
       v = jnp.ones_like(x, bool)
-      h, _ = model.hidden_states(x, positions_from_mask(v), None, causal_mask(v))
+      h, _ = hidden_states(model, x, positions_from_mask(v), None, causal_mask(v))
       ids.append(int(jnp.argmax(heads.logits(h[0, -1], model.embedding(),
                                              model.logit_softcap))))
     assert comps.tokens[row].tolist() == ids[-5:]
@@ -100,11 +104,11 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   prompt = jnp.asarray(rng.integers(3, 200, (b, p)), jnp.int32)
   valid = jnp.asarray(np.arange(p)[None] >= rng.integers(0, 6, (b, 1)))
   rep = lambda x: jnp.repeat(x, g, axis=0)
-  _, cache = model.hidden_states(prompt, positions_from_mask(valid),
+  _, cache = hidden_states(model, prompt, positions_from_mask(valid),
                                  init_cache(model.config, b, p + n, jnp.float32),
                                  causal_mask(valid, p + n))
   cache = jax.tree.map(rep, cache)
-  _, prefill = model.hidden_states(prompt, positions_from_mask(valid),
+  _, prefill = hidden_states(model, prompt, positions_from_mask(valid),
                                    init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
   slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
   ours = decode.Cache(decode.from_prefill(prefill, slots),
@@ -115,8 +119,8 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
     tok = jnp.asarray(rng.integers(3, 200, (b * g, 1)), jnp.int32)
     pos = rep(jnp.sum(valid, -1, keepdims=True)).astype(jnp.int32) + step
     kv_mask = kv_mask.at[:, p + step].set(True)
-    h_ref, cache = model.hidden_states(tok, pos, cache, kv_mask[:, None])
-    h, ours = model.hidden_states(tok, pos, ours, valid, step=jnp.int32(step))
+    h_ref, cache = hidden_states(model, tok, pos, cache, kv_mask[:, None])
+    h, ours = hidden_states(model, tok, pos, ours, valid, step=jnp.int32(step))
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   for name, c in cache.items():

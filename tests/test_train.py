@@ -68,6 +68,11 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
   return jnp.take_along_axis(z[:, -n:], completion[..., None], -1)[..., 0]
 
 
+# The same, jitted for the tests that call it eagerly: eager ops over 8 fake devices, each its own
+# rendezvous, aborted XLA:CPU on a loaded machine.
+dense_logprobs = nnx.jit(dense_completion_logprobs, static_argnames="temperature")
+
+
 @pytest.fixture(scope="module")
 def setup6():  # six layers: Gemma 3's pattern gives five sliding-window layers, then a global one
   return build(tiny_config("model.tiny_layers=6", "rollout.num_generations=4",
@@ -111,7 +116,7 @@ def test_shared_prompt_logprobs_and_grads_match_dense(request, window, layers):
     g, state = nnx.split(model)
     wide = nnx.merge(g, jax.tree.map(lambda x: x.astype(jnp.float64)
                                      if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
-    ref = np.asarray(dense_completion_logprobs(wide, prompt, prompt_valid, completion, cmask))
+    ref = np.asarray(dense_logprobs(wide, prompt, prompt_valid, completion, cmask))
     ref_grads = jax.tree.map(np.asarray, loss(dense_completion_logprobs, wide))
   np.testing.assert_allclose(np.asarray(ours)[np.asarray(cmask)],
                              np.asarray(ref)[np.asarray(cmask)], rtol=1e-5, atol=1e-5)
@@ -203,7 +208,7 @@ def test_step_loss_and_metrics_equal_the_dense_objective(setup, overrides):
   t = grpo.logprob_temperature(cfg)
   assert trainer.temperature == t == (0.7 if "rollout.temperature=0.7" in overrides else 1.0)
   model = nnx.merge(setup.graphdef, lora, setup.base)
-  logp = dense_completion_logprobs(model, *batch[:4], temperature=t)
+  logp = dense_logprobs(model, *batch[:4], temperature=t)
   want, want_m = grpo.policy_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages,
                                   batch.completion_mask, obj=trainer.obj,
                                   loss_agg=cfg.grpo.loss_agg, sampler_logp=batch.sampler_logp)
