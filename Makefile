@@ -9,7 +9,7 @@ BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
 
-.PHONY: setup train sft prefer distill general eval sample test bench notebook rehearse clean
+.PHONY: setup train sft prefer distill general eval sample test bench notebook rehearse soak clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,11 @@ bench: $(STAMP)
 # A TPU preset on 8 fake CPU devices against a random checkpoint of its real shapes (slow).
 rehearse: $(STAMP)
 	$(PY) tools/rehearse.py $(PRESET) --devices $(DEVICES)
+
+# 200 tiny steps through 21 faults (kill -9, signals, a damaged checkpoint, a full disk, a
+# read-only run directory, a reward past its time limit), then bit-equal to a run without them.
+soak: $(STAMP)
+	$(PY) tools/soak.py $(ARGS)
 
 # notebooks/grpo_kaggle.ipynb is generated from grpo_kaggle.py (a test checks they agree).
 notebook: $(STAMP)
