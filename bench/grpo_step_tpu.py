@@ -4,22 +4,25 @@
 
 The gemma3_1b preset (4 prompts x G = 8, 256 prompt + 768 new tokens, beta 0.04, one pass a
 rollout). Ours: `reasoner plan`'s programs (`Sampler.generate` in the layout `auto` picks, the
-reference log-prob forward `Trainer._logprobs`, the train step `Trainer.step`). Tunix 0.1.7's,
-from its own pieces on our model and LoRA (`build`, abstract): its `Sampler` (bench.rollout_tpu),
-its reference forward `tunix.rl.common.compute_per_token_logps` (the whole sequence's logits,
-then `selective_log_softmax`) and its train step (`PeftTrainer._train_step`: `nnx.value_and_grad`
-over the LoRA params of `algo_core.grpo_loss_fn`, then the optimizer), each compiled for the
-same chips as fsdp x tp with Tunix's partition rules, on its default mesh (the preset's
-training mesh, one mesh for every role as Tunix's colocated RL cluster runs) and on each of
-the others rollout_tpu tries. Every program is read by the same planner (`hlo.analyse`: loop
-bodies once per trip, a collective once per channel; HBM bytes, FLOPs, a ring model of the
-interconnect): the step is the sum of its parts' bound times, a lower bound.
+reference log-prob forward `Trainer._logprobs`, the train step `Trainer.step`). Tunix 0.1.7's, from
+its own pieces on our model and LoRA (`build`, abstract): its `Sampler` (bench.rollout_tpu), its
+reference forward `tunix.rl.common.compute_per_token_logps` (the whole sequence's logits, then
+`selective_log_softmax`) and its train step (`PeftTrainer._train_step`: `nnx.value_and_grad` over
+the LoRA params of `algo_core.grpo_loss_fn`, then the optimizer), each compiled for the same chips
+as fsdp x tp with Tunix's partition rules, on its default mesh (the preset's training mesh, one
+mesh for every role as Tunix's colocated RL cluster runs) and on each of the others rollout_tpu
+tries. Tunix's `__call__` runs with our LoRA applied (`lora_in_tunix_call`); its forward and train
+step with the residual stream on rows over 'fsdp' (its activation constraints on a TPU), its
+sampler unpinned as rollout_tpu compiles it (pinned, its decode loop planned 668 s of HBM traffic).
+Every program is read by the same planner (`hlo.analyse`: loop bodies once per trip, a collective
+once per channel; HBM bytes, FLOPs, a ring model of the interconnect): the step is the sum of its
+parts' bound times, a lower bound.
 
-Each side's floor: the parts' HBM-bound and FLOP-bound times (the larger of the two for each
-part), summed. Goals: issue 39's (the log-prob forward at most Tunix's, bound by HBM or FLOPs;
-the train step's interconnect time at most its HBM time) and issue 37's (the train step bound by
-HBM or FLOPs and at most half of 262 ms, the plan before the per-channel count; the step at most
-0.6 s; at least 3x Tunix's steps a session; within 1.5x of the step's floor).
+Each side's floor: the parts' HBM-bound and FLOP-bound times (the larger of the two for each part),
+summed. Goals: issue 39's (the log-prob forward at most Tunix's, bound by HBM or FLOPs; the train
+step's interconnect time at most its HBM time) and issue 37's (the train step bound by HBM or FLOPs
+and at most half of 262 ms, the plan before the per-channel count; the step at most 0.6 s; at least
+3x Tunix's steps a session; within 1.5x of the step's floor).
 """
 
 from __future__ import annotations
@@ -154,14 +157,10 @@ def _show(name: str, parts: dict) -> None:
 
 def _tunix(cfg, devices, chip) -> dict:
   """Tunix 0.1.7's parts on each mesh, printed as they come."""
-  from reasoner import mesh as mesh_lib
-  from reasoner.config import MeshConfig
-
   tunix = {}
   for fsdp, tp in TUNIX_MESHES:
     print(f"  Tunix 0.1.7 on fsdp {fsdp} x tp {tp} ...", flush=True)
-    mesh = mesh_lib.make_mesh(MeshConfig(fsdp=fsdp, tp=tp), devices)
-    with lora_in_tunix_call(mesh):
+    with lora_in_tunix_call(None):  # unpinned, as bench/rollout_tpu.py compiles it
       rollout, total = tunix_rollout(cfg, devices, fsdp, tp, PROMPTS, chip)
     forward, train, remat = tunix_forward_and_train(cfg, devices, fsdp, tp, PROMPTS, chip)
     name = f"fsdp {fsdp} x tp {tp}"
@@ -202,28 +201,21 @@ def _goals(ours: dict, mine: dict, tunix: dict, steps: list[dict]) -> list[dict]
 def main() -> None:
   from reasoner.build import build
   from reasoner.config import load_config
-  from reasoner.planner import plan, report as report_lib
+  from reasoner.planner import plan
 
   devices, chip, method = plan.target("v5e:2x4")
   if devices is None:
     raise SystemExit(f"error: {method}")
   cfg = load_config("configs/gemma3_1b.yaml", [f"train.batch_size={PROMPTS}"])
   forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
-  print("  ours: the preset's plan ...", flush=True)
-  report = plan.plan(cfg, "v5e:2x4", search=False)
-  print(report_lib.format_report(report), flush=True)
-  ours = {k: _part(report[k], chip) for k in ("rollout", "logprobs", "train")}
-  steps = [_step(f"ours (remat {cfg.model.remat}, decode {report['rollout'].layout})", ours,
-                 forwards)]
-  other = "none" if cfg.model.remat != "none" else "block"  # the preset's choice, measured
-  print(f"  ours with model.remat={other} ...", flush=True)
-  alt = build(load_config("configs/gemma3_1b.yaml", [f"train.batch_size={PROMPTS}",
-                                                     f"model.remat={other}"]),
-              abstract=True, devices=devices)
-  alt_train = _part(plan.train_plan(alt, PROMPTS, chip), chip)
-  _show(f"ours, remat {other}", {"train": alt_train})
-  steps.append(_step(f"ours (remat {other}, decode {report['rollout'].layout})",
-                     {**ours, "train": alt_train}, forwards))
+  print("  ours: the preset's programs ...", flush=True)
+  setup = build(cfg, abstract=True, devices=devices)
+  rollout = plan.rollout_plan(setup, PROMPTS, chip)  # in the layout `auto` picks
+  ours = {"rollout": _part(rollout, chip),
+          "logprobs": _part(plan.reference_plan(setup, PROMPTS, chip), chip),
+          "train": _part(plan.train_plan(setup, PROMPTS, chip), chip)}
+  _show(f"ours (remat {cfg.model.remat}, decode {rollout.layout})", ours)
+  steps = [_step(f"ours (remat {cfg.model.remat}, decode {rollout.layout})", ours, forwards)]
   tunix = _tunix(cfg, devices, chip)
   for name, parts in tunix.items():
     fits = all(v["fits"] for v in parts.values() if isinstance(v, dict))
@@ -233,9 +225,8 @@ def main() -> None:
       print(f"  Tunix 0.1.7 {name}: does not fit on 16 GiB a chip", flush=True)
   goals = _goals(ours, steps[0], tunix, steps)
   print(common.table(steps))
-  path = common.write("grpo_step_tpu", {"steps": steps[:2], "parts": ours,
-                                        "train_other_remat": alt_train},
-                      {"steps": steps[2:], "parts": tunix, "version": "google-tunix 0.1.7"},
+  path = common.write("grpo_step_tpu", {"steps": steps[:1], "parts": ours},
+                      {"steps": steps[1:], "parts": tunix, "version": "google-tunix 0.1.7"},
                       goals, topology="v5e:2x4", method=method, chip=chip.name,
                       prompts=PROMPTS, generations=cfg.rollout.num_generations,
                       log_prob_forwards=forwards)

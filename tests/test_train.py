@@ -1,5 +1,7 @@
 """One GRPO step on the tiny model: LoRA moves, base weights do not (bit for bit), sharded."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,10 +104,13 @@ def test_shared_prompt_logprobs_and_grads_match_dense(request, window, layers):
   prompt_valid = jnp.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
   completion = jnp.asarray(rng.integers(3, 200, (6, 5)), jnp.int32)
   cmask = jnp.asarray(np.arange(5)[None] < np.array([5, 3, 1, 5, 4, 2])[:, None])
-  ours = completion_logprobs(model, prompt, prompt_valid, completion, cmask)[0]
+  ours = nnx.jit(completion_logprobs)(model, prompt, prompt_valid, completion, cmask)[0]
   w = jnp.where(cmask, 1.0, 0.0)
 
-  def loss(fn, model):  # nnx's grad, as the trainer's: Gemma 3's layers run under nnx.remat
+  # nnx's grad, as the trainer's: Gemma 3's layers run under nnx.remat. Jitted: eager ops over
+  # 8 fake devices aborted XLA:CPU (a fresh clone's suite, nothing else running).
+  @functools.partial(nnx.jit, static_argnums=0)
+  def loss(fn, model):
     f = lambda m: jnp.sum(fn(m, prompt, prompt_valid, completion, cmask) * w)
     return nnx.grad(f, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
 
