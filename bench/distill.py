@@ -1,15 +1,16 @@
 """On-policy distillation against GRPO on the same prompt, per rollout token, side by side.
 
-    make bench BENCH=distill        (python -m bench distill; about 45 minutes on 2 cores,
-                                     half of it making the teacher)
+    make bench BENCH=distill        (python -m bench distill; about 55 minutes on 2 cores,
+                                     20 of them making the teacher)
 
 The teacher: `make sft`'s result (SFT, then GRPO from it, on the plain prompt), made here first
 unless DISTILL_TEACHER names such a run. The student: a fresh LoRA on the plain prompt, where
-the base model scores 0.000 (it has never seen the answer format). Two runs of 16 steps of 4
-prompts x 4 from it (configs/embedded_distill.yaml), each a subprocess, one after the other,
-evaluated greedily on 256 held-out problems every 4 steps:
-- distillation: the teacher (the same base weights under its LoRA) scores every sampled token;
-- GRPO on the same prompt, rollouts and optimizer: the run's rewards alone.
+the base model scores 0.000 (it has never seen the answer format). Two runs of 16 steps of 16
+prompts x 4 from it, two clipped passes a rollout (configs/embedded_distill.yaml), each a
+subprocess, one after the other, evaluated greedily on 256 held-out problems every 4 steps:
+- distillation: the teacher (the same base weights under its LoRA) scores every sampled token,
+  and its 16 likeliest tokens at each position are soft targets (`distill.topk`);
+- GRPO on the same prompt, rollouts, passes and optimizer: the run's rewards alone.
 A rollout token is a completion token the sampler generated (`rollout_tokens`).
 
 Goals (issue 35): distillation reaches at least 90% of the teacher's held-out mean reward in at

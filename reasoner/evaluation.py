@@ -15,6 +15,7 @@ pairwise in both orders (`win_rate`, and by category). `python -m reasoner eval`
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 
@@ -29,6 +30,7 @@ from reasoner.engine.checkpoint import restore_lora
 from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler, SamplingConfig
 from reasoner.rewards import builtin as rewards_lib
+from reasoner.rewards import scoring
 from reasoner.rewards.judge import Judge
 
 
@@ -141,16 +143,25 @@ def win_rate(setup: Setup, rows: list[dict], versus: list[dict]) -> dict[str, fl
   completions beats `versus`' for the same question (`Judge.pairwise`, both orders); {} where
   the run has no judge or no completion to compare, and on several hosts (the completions
   before training are in process 0's samples.jsonl alone, and the judge's forward spans them
-  all)."""
+  all). The judge has its reward's time limit (`rewards[].timeout_s`): past it, one line and
+  no win rate; a signal meanwhile stops waiting (`RewardInterrupted`), as for a reward."""
   if jax.process_count() > 1:
     return {}
-  judge = next((f for f in setup.rewards.fns if isinstance(f, Judge)), None)
+  k = next((k for k, f in enumerate(setup.rewards.fns) if isinstance(f, Judge)), None)
   theirs = {r["question"]: r["completion"] for r in versus}
   rows = [r for r in rows if r["question"] in theirs]
-  if judge is None or not rows:
+  if k is None or not rows:
     return {}
-  p = judge.pairwise([r["completion"] for r in rows], [theirs[r["question"]] for r in rows],
-                     [r["question"] for r in rows], [r["answer"] for r in rows])
+  judge, limit = setup.rewards.fns[k], setup.rewards.specs[k].timeout_s
+  future = scoring.in_thread(lambda: judge.pairwise(
+      [r["completion"] for r in rows], [theirs[r["question"]] for r in rows],
+      [r["question"] for r in rows], [r["answer"] for r in rows]))
+  try:
+    p = scoring.wait(future, limit, setup.rewards.cancel, "the judge compared completions")
+  except concurrent.futures.TimeoutError:
+    tqdm.write(f"  win rate: the judge did not return within {limit:g} s "
+               f"(rewards[{k}].timeout_s); no win rate this evaluation")
+    return {}
   cats = np.asarray([r.get("category") for r in rows], object)
   return {"win_rate": float(p.mean()), "win_rate_n": len(rows),
           **{f"win_rate/{c}": float(p[cats == c].mean())

@@ -280,6 +280,18 @@ def agreed(value: int) -> int:
 def largest(value: int) -> int:
   """The largest of the processes' values, on every process: a signal that reached one host
   stops all of them at the same step (a TPU VM's hosts are not signalled at the same instant)."""
+  return int(largest_each(np.int32(value)))
+
+
+def largest_each(values: np.ndarray) -> np.ndarray:
+  """`largest`, elementwise over an int array of the same shape on every process."""
   if jax.process_count() == 1:
-    return value
-  return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+    return values
+  return np.max(multihost_utils.process_allgather(values), axis=0)
+
+
+def from_process_0(values: np.ndarray) -> np.ndarray:
+  """Process 0's array on every process (the same shape on each)."""
+  if jax.process_count() == 1:
+    return values
+  return np.asarray(multihost_utils.broadcast_one_to_all(values))

@@ -55,6 +55,21 @@ def test_the_advantage_is_teacher_minus_student_computed_densely(setup):
   want = 1.5 * (dense(teacher_lora) - dense(setup.lora))
   np.testing.assert_allclose(adv[comps.mask], want[comps.mask], atol=5e-4)
   assert np.abs(want[comps.mask]).mean() > 50 * 5e-4 and (adv[~comps.mask] == 0).all()
+  full = dense_logprobs(setup.model(teacher_lora), tok, mask, comps.tokens, comps.mask,
+                        full=True)
+  assert_topk(teacher, (tok, mask, comps.tokens, comps.mask), t, full)
+
+
+def assert_topk(teacher, batch, logp, full, k=5):
+  """`Teacher.topk` gives `logprobs` and, from the same forward, the top-k of the dense
+  [R, N, V] log-softmax `full` at every masked position."""
+  same, logq, ids = teacher.topk(*batch, k)
+  on = batch[3]
+  np.testing.assert_allclose(same[on], logp[on], atol=1e-5)
+  want_q, want_ids = jax.lax.top_k(full, k)
+  np.testing.assert_allclose(logq[on], np.asarray(want_q)[on], atol=1e-4)
+  np.testing.assert_array_equal(ids[on], np.asarray(want_ids)[on])
+  assert np.ptp(ids[on][:, 0]) > 0  # not one token everywhere
 
 
 def test_a_teacher_of_its_own_lives_on_the_last_four_devices():
@@ -72,6 +87,8 @@ def test_a_teacher_of_its_own_lives_on_the_last_four_devices():
   assert len(model.layers) == 1  # the teacher's own model, not the policy's two layers
   want = np.asarray(dense_logprobs(model, tok, valid, comp, cmask))
   np.testing.assert_allclose(got[cmask], want[cmask], atol=1e-4)
+  full = dense_logprobs(model, tok, valid, comp, cmask, full=True)  # its vocabulary over 4 chips
+  assert_topk(t, (tok, valid, comp, cmask), got, full)
 
 
 def _run(tmp_path, name, stage, *overrides, steps=4):
@@ -95,7 +112,8 @@ def test_resume_is_exact_with_the_teacher_a_runs_lora(tmp_path):
   was removed resumes to the same bits and logs the same rows."""
   _run(tmp_path, "teacher", "sft", steps=2)
   d = (f"distill.teacher_lora={tmp_path / 'teacher'}", "distill.reward_weight=0.5",
-       "grpo.num_iterations=2")  # mu passes a rollout, pi_old from the trainer's forward
+       "grpo.num_iterations=2",  # mu passes a rollout, pi_old from the trainer's forward
+       "distill.topk=4")  # and the teacher's top-4 as soft targets
   _run(tmp_path, "student", "distill", *d)
   run = tmp_path / "student"
   full = _lora(run, 4)
@@ -104,6 +122,7 @@ def test_resume_is_exact_with_the_teacher_a_runs_lora(tmp_path):
   rows = read()
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert all(np.isfinite(r["distill/reverse_kl"]) for r in rows)
+  assert all(0 < r["distill/topk_mass"] <= 1 + 1e-6 for r in rows)
   shutil.rmtree(run / "checkpoints" / "4")
   _run(tmp_path, "student", "distill", *d)
   for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(_lora(run, 4))):
@@ -133,6 +152,12 @@ def test_bad_teachers_are_one_line_before_any_model_loads(tmp_path):
   with pytest.raises(ConfigError, match=r"'distill.teacher_lora' = .*: expected null when "
                                         r"distill.teacher is set"):
     tiny_config(OWN, f"distill.teacher_lora={run}")
+  with pytest.raises(ConfigError, match=r"'distill.topk' = 300: expected 0 \(off\) or a "
+                                        r"number of tokens from 1 to 256"):
+    tiny_config(OWN, "distill.topk=300")
+  with pytest.raises(ConfigError, match=r"'distill.kl_coef' = 0.0: expected a positive number "
+                                        r"\(or 0 with distill.topk > 0\)"):
+    tiny_config(OWN, "distill.kl_coef=0")
 
 
 def test_the_planner_plans_the_teacher_on_its_own_chips():
@@ -141,7 +166,8 @@ def test_the_planner_plans_the_teacher_on_its_own_chips():
   from reasoner.planner import plan, report as report_lib
 
   report = plan.plan(tiny_config(OWN, "distill.devices=4", "train.batch_size=2",
-                                 "data.max_prompt_tokens=64"), "cpu", search=False)
+                                 "data.max_prompt_tokens=64", "distill.topk=8"), "cpu",
+                     search=False)
   assert report["mesh"]["fsdp"] == 4 and report["teacher_on"] == "4 chips of its own"
   t = report["teacher"]
   assert t.fits and t.what == "teacher" and t.rows == 8 and t.flops > 0

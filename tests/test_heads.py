@@ -54,7 +54,7 @@ def dense_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, temperature=
 
 
 def fused_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, chunk=None, mesh=None,
-               temperature=1.0, **options):
+               temperature=1.0, soft=None, **options):
   """The trainer's use of the fused head: GSPO's row ratios from a forward pass first."""
   obj = objective(beta, **options)
   row = lambda x: jnp.broadcast_to(x[:, None], old.shape)
@@ -66,7 +66,7 @@ def fused_loss(h, e, y, mask, old, ref, adv, *, beta, agg, softcap, chunk=None, 
   loss, logp, ent = heads.fused_token_loss(
       h, e, y, grpo.token_weights(mask, agg), functools.partial(grpo.token_loss, obj=obj),
       (old, ref, row(adv), (old + ref) / 2, row(seq)), chunk=chunk, mesh=mesh,
-      softcap=softcap, temperature=temperature)
+      softcap=softcap, temperature=temperature, soft=soft)
   return loss, (logp, ent)
 
 
@@ -217,6 +217,56 @@ def test_sharded_heads_match_dense(fsdp, tp, rows):
   vals_d, ids_d = jax.lax.top_k(heads.logits(flat(h), e), 3)
   np.testing.assert_allclose(vals, vals_d, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(ids, ids_d)
+
+
+def teacher_topk(b, t, v, d, k, seed=3):
+  """A teacher's top-k (ids, log-probs) at every position, densely, and weights q = coef x
+  the top-k renormalised x each token's weight (distillation's soft targets)."""
+  kh, ke = jax.random.split(jax.random.key(seed))
+  th, te = jax.random.normal(kh, (b, t, d)), jax.random.normal(ke, (v, d))
+  logq, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.einsum("btd,vd->btv", th, te), -1), k)
+  return th, te, logq, ids
+
+
+def soft_dense(h, e, ids, q, softcap, temperature):
+  z = jnp.einsum("btd,vd->btv", h, e)
+  z = (jnp.tanh(z / softcap) * softcap if softcap else z) / temperature
+  return -jnp.sum(q * jnp.take_along_axis(jax.nn.log_softmax(z, -1), ids, -1))
+
+
+@pytest.mark.parametrize("fsdp,tp,rows,chunk,softcap,temperature", [
+    (1, 1, 3, 4, None, 1.0), (1, 1, 2, None, 30.0, 0.7), (8, 1, 16, 4, 30.0, 1.0),
+    (2, 4, 6, 4, None, 0.8)])
+def test_teacher_topk_and_soft_targets_match_dense(fsdp, tp, rows, chunk, softcap, temperature):
+  """Distillation's two heads: a teacher's top-k log-probs at every position (`token_topk`, the
+  vocabulary split over the chips) and the student's fused loss with those soft targets added
+  (`fused_token_loss(soft=...)`): loss and gradients against full logits."""
+  mesh = Mesh(np.asarray(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+  v, d, k = 96, 16, 5
+  h, e, y, mask, old, ref, adv = problem(rows, 7, v=v, d=d, seed=rows)
+  th, te, logq_d, ids_d = teacher_topk(rows, 7, v, d, k)
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  split = "fsdp" if rows % fsdp == 0 else None
+  logq, ids = jax.jit(lambda h, e: topk.token_topk(h, e, k, chunk=chunk, mesh=mesh))(
+      put(th, split), put(te, "tp", "fsdp"))
+  np.testing.assert_allclose(logq, logq_d, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(ids, ids_d)
+  w = grpo.token_weights(mask, "token-mean")
+  q = 0.7 * jax.nn.softmax(logq_d, -1) * w[..., None]
+  kw = dict(beta=0.04, agg="token-mean", softcap=softcap, temperature=temperature)
+  args = [put(x, split) for x in (y, mask, old, ref, adv)]
+  (loss, (lp, _)), grads = jax.jit(jax.value_and_grad(
+      lambda h, e: fused_loss(h, e, *args, chunk=chunk, mesh=mesh,
+                              soft=(put(ids_d, split), put(q, split)), **kw),
+      argnums=(0, 1), has_aux=True))(put(h, split), put(e, "tp", "fsdp"))
+  loss_d, grads_d = jax.value_and_grad(
+      lambda h, e: (dense_loss(h, e, y, mask, old, ref, adv, **kw)[0]
+                    + soft_dense(h, e, ids_d, q, softcap, temperature)), argnums=(0, 1))(h, e)
+  soft_only = soft_dense(h, e, ids_d, q, softcap, temperature)
+  assert float(soft_only) > 0.1 * abs(float(loss_d))  # the soft term weighs in the total
+  np.testing.assert_allclose(loss, loss_d, rtol=1e-5, atol=1e-6)
+  assert_close_grads(grads, grads_d)
+  np.testing.assert_allclose(lp, dense(h, e, y, softcap, temperature)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab_chunk,softcap,temperature",

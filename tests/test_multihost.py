@@ -27,19 +27,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _spawn(args: list[str], devices: int) -> subprocess.Popen:
+def _spawn(args: list[str], devices: int, **env_extra: str) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **env_extra)
   return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _result(proc: subprocess.Popen) -> dict:
   out, _ = proc.communicate(timeout=TIMEOUT)
-  assert proc.returncode == 0, out[-3000:]
-  lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-  assert len(lines) == 1, out[-3000:]
-  return json.loads(lines[0][len("RESULT "):])
+  return _result_of(proc, out)
 
 
 def test_two_processes_agree_with_one(tmp_path):
@@ -94,6 +91,65 @@ def test_a_signal_to_one_process_saves_the_same_step_on_every_process(tmp_path):
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, step + 1))
 
 
+LATE = """import time
+import jax
+calls = 0
+def late(prompts, completions, **_):
+    global calls
+    calls += 1
+    if jax.process_index() == 1 and calls >= 2:  # from step 2 on, on the second host only
+        time.sleep(3600)
+    return [0.5] * len(completions)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_timeout", ["zero", "stop"])
+def test_a_reward_late_on_one_process_acts_on_every_process(tmp_path, on_timeout):
+  """A reward past its limit on one host only (a remote judge that stalls for one of them):
+  every process zeroes its rows and counts them (`zero`), or every process stops at the same
+  step with the line and the step before saved once (`stop`), instead of the others training
+  on rewards the late one never saw, or waiting in the next collective forever."""
+  ckpt = tmp_path / "download"
+  write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
+  (tmp_path / "late_reward.py").write_text(LATE)
+  over = json.dumps([f"rewards=[{{fn: 'late_reward:late', timeout_s: 2, on_timeout: "
+                     f"{on_timeout}}}, {{fn: format_partial}}]"])
+  port = str(_free_port())
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "late", str(ckpt), "2"], 4,
+                  PYTHONPATH=str(tmp_path), WORKER_OVERRIDES=over) for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  run = tmp_path / "late"
+  rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+  if on_timeout == "zero":
+    results = [_result_of(p, out) for p, out in zip(procs, outs)]
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
+    # process 0 (which writes the metrics) got its reward back, and counts the other's rows
+    late = [(r["reward/late_reward:late"], r["reward/late_reward:late/timeouts"])
+            for r in rows if "loss" in r]
+    assert late == [(0.5, 0), (0.0, 8)]
+    return
+  assert [p.returncode for p in procs] == [2, 2], outs[0][-2000:] + outs[1][-2000:]
+  lines = [[l for l in out.splitlines() if l.startswith("TIMEOUT ")] for out in outs]
+  assert "did not return within 2 s on another process" in lines[0][0], lines
+  assert "did not return within 2 s (rewards[0].timeout_s" in lines[1][0], lines
+  assert all("at step 2: that step was not trained on; step 1 is saved" in l[0] for l in lines)
+  assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+  assert [r["step"] for r in rows if "loss" in r] == [1]
+
+
+def _result_of(proc: subprocess.Popen, out: str) -> dict:
+  assert proc.returncode == 0, out[-3000:]
+  lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+  assert len(lines) == 1, out[-3000:]
+  return json.loads(lines[0][len("RESULT "):])
+
+
 def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
             steps: str = "1") -> None:
   """One process of the run: `train` with the loss of every step recorded; a signal's stop
@@ -108,6 +164,7 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
 
   from reasoner import loop
   from reasoner.config import load_config
+  from reasoner.errors import RewardTimeout
   from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
   losses, states = [], []
@@ -123,12 +180,16 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
   cfg = load_config(ROOT / "configs" / "tiny.yaml", [
       f"train.run_dir={run_dir}", f"train.run_name={name}", f"train.steps={steps}",
       f"train.checkpoint_every={steps}", f"train.eval_before={steps == '1'}",
-      "model.source=kaggle", f"model.path={ckpt}", "model.tokenizer=auto"])
+      "model.source=kaggle", f"model.path={ckpt}", "model.tokenizer=auto",
+      *json.loads(os.environ.get("WORKER_OVERRIDES", "[]"))])
   try:
     loop.train(cfg)
   except loop.Interrupted as e:
     print(f"STOPPED {loop_step(e)}", flush=True)
     sys.exit(e.code)
+  except RewardTimeout as e:
+    print(f"TIMEOUT {e}", flush=True)
+    sys.exit(2)
   lora = multihost_utils.process_allgather(states[-1].lora, tiled=True)
   norm = float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(lora))))
   print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),

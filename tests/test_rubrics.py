@@ -132,6 +132,38 @@ def test_a_run_reports_categories_and_its_win_rate(setup, tmp_path):
   assert win_rate(setup, same, [{**same[0], "question": "other"}]) == {}
 
 
+def test_a_judge_past_its_time_limit_gives_no_win_rate_and_one_line(setup, monkeypatch, capsys):
+  """`win_rate` waits for the judge at most its reward's `timeout_s`, then says so in one line
+  and reports none; a signal while it waits stops the wait within a second."""
+  import dataclasses
+  import time
+
+  from reasoner.errors import RewardInterrupted
+  from reasoner.evaluation import win_rate
+
+  rewards = setup.rewards
+  k = next(k for k, f in enumerate(rewards.fns) if isinstance(f, Judge))
+  monkeypatch.setattr(rewards.fns[k], "pairwise", lambda *a: time.sleep(4) or np.ones(1))
+  limit = lambda s: [dataclasses.replace(x, timeout_s=s) if i == k else x
+                     for i, x in enumerate(rewards.specs)]
+  monkeypatch.setattr(rewards, "specs", limit(0.5))
+  same = [{"question": "q", "answer": None, "completion": "x", "category": "a"}]
+  t = time.monotonic()
+  assert win_rate(setup, same, same) == {} and time.monotonic() - t < 1.5
+  out = capsys.readouterr()
+  assert (out.out + out.err).count(
+      f"win rate: the judge did not return within 0.5 s (rewards[{k}].timeout_s)") == 1
+  monkeypatch.setattr(rewards, "specs", limit(60))
+  rewards.cancel.set()
+  try:
+    t = time.monotonic()
+    with pytest.raises(RewardInterrupted, match="while the judge compared completions"):
+      win_rate(setup, same, same)
+    assert time.monotonic() - t < 1.0
+  finally:
+    rewards.cancel.clear()
+
+
 def test_the_agreement_check_counts_the_calls_and_stops_a_run_without_signal(setup, tmp_path):
   """`agreement` by hand from the judge's scores and pairwise preferences; a judge below
   judge.min_agreement stops the run in one line (the random tiny judge has no signal), and

@@ -54,9 +54,10 @@ def test_step_moves_lora_and_leaves_base_bit_identical(setup):
 
 
 def dense_completion_logprobs(model, prompt, prompt_valid, completion, completion_mask,
-                              temperature=1.0):
+                              temperature=1.0, full=False):
   """Reference: every row's whole sequence through the model (Tunix's attention, left to
-  autodiff), full [R, T, V] log-softmax of the logits / temperature."""
+  autodiff), full [R, T, V] log-softmax of the logits / temperature; the completion tokens'
+  [R, N], or (`full`) every completion position's [R, N, V]."""
   from reasoner.engine import heads
   from reasoner.models.cache import causal_mask, positions_from_mask
 
@@ -67,12 +68,14 @@ def dense_completion_logprobs(model, prompt, prompt_valid, completion, completio
                              causal_mask(valid[:, :-1]), tunix_attention=True)
   z = jax.nn.log_softmax(heads.logits(h, model.embedding()) / temperature, -1)
   n = completion.shape[1]
+  if full:
+    return z[:, -n:]
   return jnp.take_along_axis(z[:, -n:], completion[..., None], -1)[..., 0]
 
 
 # The same, jitted for the tests that call it eagerly: eager ops over 8 fake devices, each its own
 # rendezvous, aborted XLA:CPU on a loaded machine.
-dense_logprobs = nnx.jit(dense_completion_logprobs, static_argnames="temperature")
+dense_logprobs = nnx.jit(dense_completion_logprobs, static_argnames=("temperature", "full"))
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,12 @@ class DistillConfig:
   kl_coef: float = 1.0
   # ... plus reward_weight x the GRPO advantage of the run's rewards (0: distillation alone)
   reward_weight: float = 0.0
+  # k > 0: the teacher's k likeliest tokens at every sampled position (renormalised over them)
+  # are also a soft target: topk_coef x their cross-entropy with the student's distribution
+  # (GKD's forward KL on the student's own prefixes), so a token need not be sampled to be
+  # taught. 0: the sampled tokens' reverse KL alone.
+  topk: int = 0
+  topk_coef: float = 1.0
 
   def __post_init__(self):
     if self.teacher is not None and self.teacher_lora is not None:
@@ -224,8 +230,12 @@ class DistillConfig:
     if self.devices is not None and (self.devices < 1 or self.teacher is None):
       _fail("distill.devices", self.devices, "null (the policy's devices), or a positive number "
             "of devices for a distill.teacher of its own")
-    if self.kl_coef <= 0:
-      _fail("distill.kl_coef", self.kl_coef, "a positive number")
+    if self.kl_coef < 0 or (self.kl_coef == 0 and self.topk == 0):
+      _fail("distill.kl_coef", self.kl_coef, "a positive number (or 0 with distill.topk > 0)")
+    if not 0 <= self.topk <= 256:
+      _fail("distill.topk", self.topk, "0 (off) or a number of tokens from 1 to 256")
+    if self.topk_coef <= 0:
+      _fail("distill.topk_coef", self.topk_coef, "a positive number")
     if self.reward_weight < 0:
       _fail("distill.reward_weight", self.reward_weight, "a non-negative number")
 

@@ -183,6 +183,7 @@ class _Chunk(NamedTuple):
   hit: jax.Array  # [C, V] bool, v == target
   logp: jax.Array  # [C] log p(target)
   entropy: jax.Array  # [C]
+  lse: jax.Array  # [C] the log-normaliser
 
 
 def _chunk_stats(h: jax.Array, emb: jax.Array, y: jax.Array, softcap: float | None,
@@ -202,7 +203,7 @@ def _chunk_stats(h: jax.Array, emb: jax.Array, y: jax.Array, softcap: float | No
   logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
   p = e / total
   entropy = jax.lax.stop_gradient(lse - jnp.sum(p * z, axis=-1))
-  return _Chunk(z, p, hit, logp, entropy)
+  return _Chunk(z, p, hit, logp, entropy, lse)
 
 
 # ------------------------------------------------------------------------------ log-probs
@@ -247,8 +248,29 @@ class _Static:
   temperature: float = 1.0
 
 
-def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
-  """Chunks [K, C', ...] -> loss, (logp, entropy[, dh]) [K, C', ...], dE [V, D] float32 or 0."""
+def _soft_target(ch: _Chunk, ids: jax.Array, q: jax.Array,
+                 split: bool) -> tuple[jax.Array, jax.Array]:
+  """A chunk's cross-entropy against a target distribution given by its top entries, ids and
+  (weighted) probabilities q [C, k]: (-sum_j q_j log p(ids_j) [C], its dL/dz [C, V] =
+  p sum_j q_j - q on the ids). Where the vocabulary is `split` over chips the ids are picked by
+  comparison with an iota, as the target is (`_chunk_stats`): no scatter across chips, k passes
+  over the block; on one chip, a scatter (a third of the comparisons' time, k = 16, CPU)."""
+  if split:
+    iota = jax.lax.broadcasted_iota(jnp.int32, ch.z.shape, 1)
+    dense = jnp.zeros_like(ch.z)
+    for j in range(ids.shape[-1]):
+      dense = dense + jnp.where(iota == ids[:, j:j + 1], q[:, j:j + 1], 0.0)
+  else:
+    rows = jnp.arange(ids.shape[0])[:, None]
+    dense = jnp.zeros_like(ch.z).at[rows, ids].add(q)
+  mass = jnp.sum(q, axis=-1)
+  ce = mass * ch.lse - jnp.sum(dense * ch.z, axis=-1)
+  return ce, ch.p * mass[:, None] - dense
+
+
+def _fused_scan(st: _Static, h, emb, y, w, args, soft, want_dh: bool, want_de: bool):
+  """Chunks [K, C', ...] -> loss, (logp, entropy[, dh]) [K, C', ...], dE [V, D] float32 or 0.
+  `soft`: () or (ids, q) [K, C', k], a target distribution's cross-entropy added to the loss."""
   v, d = emb.shape
   de0 = jnp.zeros((v, d), jnp.float32) if want_de else jnp.zeros((), jnp.float32)
   if want_de:
@@ -258,14 +280,19 @@ def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
 
   def body(carry, xs):
     loss, de = carry
-    h_c, y_c, w_c, a_c = xs
+    h_c, y_c, w_c, a_c, soft_c = xs
     ch = _chunk_stats(h_c, emb, y_c, st.softcap, st.lay, st.temperature)
     tok, pull = jax.vjp(lambda lp: st.token_fn(lp, *a_c), ch.logp)
     loss = loss + jnp.sum(w_c * tok)
+    if soft_c:
+      ce, dz_soft = _soft_target(ch, *soft_c, bool(_vocab_axes(st.lay, v)))
+      loss = loss + jnp.sum(ce)
     out = (ch.logp, ch.entropy)
     if want_dh or want_de:
       (c,) = pull(w_c.astype(tok.dtype))  # c_i = w_i f'(logp_i)
       dz = jnp.where(ch.hit, c[:, None], 0.0) - ch.p * c[:, None]  # dL/dz
+      if soft_c:
+        dz = dz + dz_soft
       if st.temperature != 1.0:
         dz = dz / st.temperature  # through z / T
       if st.softcap is not None:  # through s tanh(u / s), whose value is z T
@@ -279,20 +306,22 @@ def _fused_scan(st: _Static, h, emb, y, w, args, want_dh: bool, want_de: bool):
                              preferred_element_type=jnp.float32)
     return (loss, de), out
 
-  (loss, de), outs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), de0), (h, y, w, args))
+  (loss, de), outs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), de0),
+                                  (h, y, w, args, soft))
   return loss, outs, de
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(st: _Static, h, emb, y, w, args):
-  loss, (logp, ent), _ = _fused_scan(st, h, emb, y, w, args, False, False)
+def _fused(st: _Static, h, emb, y, w, args, soft):
+  loss, (logp, ent), _ = _fused_scan(st, h, emb, y, w, args, soft, False, False)
   return loss, logp, ent
 
 
-def _fused_fwd(st: _Static, h, emb, y, w, args):
+def _fused_fwd(st: _Static, h, emb, y, w, args, soft):
   want_dh, want_de = h.perturbed, emb.perturbed
-  args = jax.tree.map(lambda a: a.value, args)
-  loss, outs, de = _fused_scan(st, h.value, emb.value, y.value, w.value, args, want_dh, want_de)
+  args, soft = jax.tree.map(lambda a: a.value, (args, soft))
+  loss, outs, de = _fused_scan(st, h.value, emb.value, y.value, w.value, args, soft, want_dh,
+                               want_de)
   dh = outs[2] if want_dh else None
   de = de.astype(emb.value.dtype) if want_de else None
   return (loss, outs[0], outs[1]), (dh, de)
@@ -302,9 +331,9 @@ def _fused_bwd(st: _Static, res, cts):
   dh, de = res
   ct = cts[0]
   if isinstance(ct, SymbolicZero):
-    return None, None, None, None, None
+    return None, None, None, None, None, None
   scale = lambda x: None if x is None else (x.astype(jnp.float32) * ct).astype(x.dtype)
-  return scale(dh), scale(de), None, None, None
+  return scale(dh), scale(de), None, None, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -322,8 +351,12 @@ def fused_token_loss(
     mesh: Mesh | None = None,
     softcap: float | None = None,
     temperature: float = 1.0,  # of softmax(z / T), as in `token_logprobs`
+    soft: tuple[jax.Array, jax.Array] | None = None,  # ids [B, T, k] int, q [B, T, k] float
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # loss [], logp [B, T], entropy [B, T] (float32)
   """The weighted per-token loss of the targets' log-probs, its gradients fused (module doc).
+  `soft` adds each position's cross-entropy against a target distribution given by its top
+  entries, -sum_j q_j log p(ids_j) with q already weighted (a teacher's top-k, distillation's):
+  dL/dz = p sum_j q_j - q on the ids, fused the same way.
 
   Gradients reach `hidden` and (if differentiated) `embedding` only through the loss; logp and
   entropy are stop-gradient outputs, and weights / token_args get no gradient. Peak memory:
@@ -334,9 +367,11 @@ def fused_token_loss(
   lay = _layout(hidden, embedding, mesh, chunk)
   st = _Static(token_fn=token_fn, softcap=softcap, lay=lay, temperature=temperature)
   args = tuple(to_chunks(a.astype(jnp.float32), lay) for a in token_args)
+  soft = () if soft is None else (to_chunks(soft[0].astype(jnp.int32), lay),
+                                   to_chunks(soft[1].astype(jnp.float32), lay))
   loss, logp, ent = _fused(st, to_chunks(hidden, lay), _vocab_parallel(embedding, lay),
                            to_chunks(targets, lay), to_chunks(weights.astype(jnp.float32), lay),
-                           args)
+                           args, soft)
   unchunk = lambda x: jax.lax.stop_gradient(from_chunks(x, lay, b, t))
   return loss, unchunk(logp), unchunk(ent)
 
@@ -365,7 +400,7 @@ def _sums(st: _SeqStatic, logp, w) -> jax.Array:  # [K, C'] chunks -> S [B]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_seq(st: _SeqStatic, h, emb, y, w, args):
-  _, (logp, ent), _ = _fused_scan(st.tokens, h, emb, y, w, (), False, False)
+  _, (logp, ent), _ = _fused_scan(st.tokens, h, emb, y, w, (), (), False, False)
   s = _sums(st, logp, w)
   return st.seq_fn(s, *args), s, logp, ent
 
@@ -376,8 +411,8 @@ def _fused_seq_fwd(st: _SeqStatic, h, emb, y, w, args):
                               "coefficient is known only after the scan, and dE mixes rows)")
   args = jax.tree.map(lambda a: a.value, args)
   # dh of sum(w * logp) per token (c_i = w_i), then each row's dL/dS once the scan is done
-  _, outs, _ = _fused_scan(st.tokens, h.value, emb.value, y.value, w.value, (), h.perturbed,
-                           False)
+  _, outs, _ = _fused_scan(st.tokens, h.value, emb.value, y.value, w.value, (), (),
+                           h.perturbed, False)
   s = _sums(st, outs[0], w.value)
   loss, pull = jax.vjp(lambda s: st.seq_fn(s, *args), s)
   dh = None

@@ -1,6 +1,7 @@
 """A teacher's log-probs of the tokens the policy sampled: one batched forward over prompt +
 completion on the teacher's own devices, of which only a number a token (its log-prob) crosses
-to the policy's (on-policy distillation, `objectives.distill`).
+to the policy's (on-policy distillation, `objectives.distill`); with `distill.topk` = k, its k
+likeliest tokens at every position and their log-probs instead (2k numbers a token).
 
 The teacher is a model of its own (`distill.teacher`, any model this toolkit loads), loaded
 straight into its shards on its devices (`distill.devices: N`, the last N before a judge's) or
@@ -19,11 +20,12 @@ from flax import nnx
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, MeshConfig
-from reasoner.engine import manifest
+from reasoner.engine import heads, manifest, topk as topk_lib
 from reasoner.engine.checkpoint import find_checkpoints, read_newest
 from reasoner.engine.sampler import logprob_temperature, to_host
 from reasoner.engine.trainer import Trainer, checkpoint_tree, completion_logprobs
 from reasoner.models import load
+from reasoner.models.prompt import completion_hidden
 
 log = logging.getLogger("reasoner")
 PROBE = "Teachers and students: 12 + 7 = 19 <answer>"  # two tokenizers must encode it alike
@@ -53,8 +55,9 @@ def check(cfg: Config, tokenizer_kind: tuple[str, int] | None = None) -> None:
 
 class Teacher:
   """`logprobs(prompt, prompt_valid, completion, mask) -> [R, N]` host log-probs of the
-  completions' tokens under the teacher, at the temperature of the student's log-probs
-  (`engine.sampler.logprob_temperature`)."""
+  completions' tokens under the teacher, and `topk(..., k) -> ([R, N, k], [R, N, k])` its k
+  likeliest tokens' log-probs and ids at each completion position, at the temperature of the
+  student's log-probs (`engine.sampler.logprob_temperature`)."""
 
   def __init__(self, graphdef, params: tuple, mesh, tokenizer, head_chunk: int | None,
                temperature: float):
@@ -62,6 +65,16 @@ class Teacher:
     self._fwd = jax.jit(lambda params, *batch: completion_logprobs(
         nnx.merge(graphdef, *params), *batch, chunk=head_chunk, mesh=mesh,
         temperature=temperature)[0])
+
+    def top(params, prompt, prompt_valid, completion, mask, k):
+      model = nnx.merge(graphdef, *params)
+      hidden = completion_hidden(model, prompt, prompt_valid, completion, mask, mesh)
+      kw = dict(chunk=head_chunk, mesh=mesh, softcap=model.logit_softcap,
+                temperature=temperature)
+      logp = heads.token_logprobs(hidden, model.embedding(), completion, **kw)[0]
+      return (logp, *topk_lib.token_topk(hidden, model.embedding(), k, **kw))
+
+    self._top = jax.jit(top, static_argnums=(5,))
 
   @classmethod
   def for_run(cls, setup, devices: list | None) -> "Teacher":
@@ -112,6 +125,16 @@ class Teacher:
     out = to_host(self._fwd(self.params, put(prompt), put(prompt_valid), put(completion),
                             put(mask)))
     return np.where(mask, out, 0.0).astype(np.float32)
+
+  def topk(self, prompt: np.ndarray, prompt_valid: np.ndarray, completion: np.ndarray,
+           mask: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`logprobs` and, from the same forward, [R, N, k] float32 log-probs (descending) and
+    int32 ids of the teacher's k likeliest tokens at each position, on the host."""
+    put = lambda a: mesh_lib.put_batch(self.mesh, a)
+    logp, logq, ids = self._top(self.params, put(prompt), put(prompt_valid), put(completion),
+                                put(mask), k)
+    return (np.where(mask, to_host(logp), 0.0).astype(np.float32),
+            to_host(logq).astype(np.float32), to_host(ids).astype(np.int32))
 
 
 def _teacher_lora(setup):

@@ -1,14 +1,18 @@
-"""The sampler's head: the top-k logits and ids of [rows, D] hidden states over the vocabulary
-and the log-normaliser, at each decoding step; over vocabulary blocks where asked (no [rows, V]
-array), and split over the 'tp' chips of a decode layout (only the candidates cross chips)."""
+"""The top-k heads. The sampler's: the top-k logits and ids of [rows, D] hidden states over the
+vocabulary and the log-normaliser, at each decoding step; over vocabulary blocks where asked (no
+[rows, V] array), and split over the 'tp' chips of a decode layout (only the candidates cross
+chips). A teacher's: the top-k log-probs at every position of [B, T] tokens (`token_topk`)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from reasoner import mesh as mesh_lib
+from reasoner.engine import heads
 from reasoner.engine.heads import logits
 
 def _merge_topk(vals, idx, new_vals, new_idx, k: int):
@@ -74,25 +78,58 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
 
 
 def split_vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-                     softcap: float | None, temperature: float, mesh: Mesh):
-  """`vocab_topk` with the vocabulary split over the mesh's 'tp' chips (the decode layouts'
-  embedding): each chip scores its slice of the vocabulary for its rows and keeps its top-k
-  and log-sum-exp; one all-gather over 'tp' moves rows x (2k + 1) x chips numbers, never a
-  vocabulary-sized array, and every chip merges them into the same top-k (chips in vocabulary
-  order: ties resolve to the lower id as on one chip) and log-sum-exp."""
-  tp = mesh.shape["tp"]
-  rows = mesh_lib.row_axis(mesh, h.shape[0])
-  part = emb.shape[0] // tp
+                     softcap: float | None, temperature: float, mesh: Mesh,
+                     axes: tuple[str, ...] = ("tp",), rows: str | None | bool = True):
+  """`vocab_topk` with the vocabulary split over the mesh's `axes` (the decode layouts'
+  embedding over 'tp'): each chip scores its slice of the vocabulary for its rows and keeps its
+  top-k and log-sum-exp; one all-gather over `axes` moves rows x (2k + 1) x chips numbers, never
+  a vocabulary-sized array, and every chip merges them into the same top-k (chips in vocabulary
+  order: ties resolve to the lower id as on one chip) and log-sum-exp. `rows`: the rows' axis
+  (True: `mesh.row_axis`; None: every chip takes every row)."""
+  n = math.prod(mesh.shape[a] for a in axes)
+  rows = mesh_lib.row_axis(mesh, h.shape[0]) if rows is True else rows
+  part = emb.shape[0] // n
+  name = axes if len(axes) > 1 else axes[0]
 
   def local(h, e):
     vals, ids, lse = vocab_topk(h, e, k, vocab_chunk, softcap, temperature)
-    ids = ids + jax.lax.axis_index("tp") * part  # ids < 2^24: exact as float32
+    ids = ids + jax.lax.axis_index(name) * part  # ids < 2^24: exact as float32
     packed = jnp.concatenate([vals, ids.astype(jnp.float32), lse[:, None]], axis=-1)
-    every = jax.lax.all_gather(packed, "tp", axis=1, tiled=True)  # [rows, tp * (2k + 1)]
-    every = every.reshape(h.shape[0], tp, 2 * k + 1)
+    every = jax.lax.all_gather(packed, name, axis=1, tiled=True)  # [rows, n * (2k + 1)]
+    every = every.reshape(h.shape[0], n, 2 * k + 1)
     top, pos = jax.lax.top_k(every[..., :k].reshape(h.shape[0], -1), k)
     cand = every[..., k:2 * k].reshape(h.shape[0], -1).astype(jnp.int32)
     return top, jnp.take_along_axis(cand, pos, axis=-1), jax.nn.logsumexp(every[..., -1], -1)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(rows, None), P("tp", None)),
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(rows, None), P(name, None)),
                        out_specs=(P(rows, None), P(rows, None), P(rows)), check_vma=False)(h, emb)
+
+
+def token_topk(hidden: jax.Array, embedding: jax.Array, k: int, *, chunk: int | None = None,
+               mesh: Mesh | None = None, softcap: float | None = None,
+               temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """[B, T, D] hidden states -> the top-k log-probs of softmax(logits / T) at every position
+  and their ids, [B, T, k] each (descending): a teacher's distribution, cut to what crosses
+  to the student (`objectives.distill`). Tokens in chunks as the log-prob heads take them
+  (`heads.plan_layout`), the vocabulary split over the same chips (`mesh.vocab_axes`): each
+  step's hidden states go to every chip, each keeps the top-k of its slice, and only those
+  candidates cross chips (`split_vocab_topk`). No [tokens, V] array exists."""
+  b, t, _ = hidden.shape
+  v = embedding.shape[0]
+  lay = heads.plan_layout(b, t, v, mesh=mesh, chunk=chunk)
+  axes = mesh_lib.vocab_axes(mesh, v, lay.shards)
+  if mesh is not None and math.prod(mesh.shape[a] for a in axes) == 1:
+    axes = ()
+  if axes:
+    embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(mesh, P(axes, None)))
+
+  def body(carry, h):
+    if axes:
+      vals, ids, lse = split_vocab_topk(h, embedding, k, None, softcap, temperature, mesh,
+                                        axes, rows=None)
+    else:
+      vals, ids, lse = vocab_topk(h, embedding, k, None, softcap, temperature)
+    return carry, (vals - lse[:, None], ids)
+
+  _, (logq, ids) = jax.lax.scan(body, None, heads.to_chunks(hidden, lay))
+  return heads.from_chunks(logq, lay, b, t), heads.from_chunks(ids, lay, b, t)

@@ -155,15 +155,15 @@ class Trainer:
     return (loss, grads), aux
 
   def token_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
-                       token_fn, token_args):
+                       token_fn, token_args, soft=None):
     """((loss, LoRA gradients), (log-probs, entropy)) of the weighted per-token loss
     `token_fn` of `tokens` after their prompts, through the fused head: GRPO's objective and
-    SFT's likelihood."""
+    SFT's likelihood (and `soft` targets' cross-entropy: distillation's teacher top-k)."""
     def head(hidden, model):
       loss, logp, entropy = heads.fused_token_loss(
           hidden, model.embedding(), tokens, weights, token_fn, token_args,
           chunk=self.head_chunk, mesh=self.mesh, softcap=model.logit_softcap,
-          temperature=self.temperature)
+          temperature=self.temperature, soft=soft)
       return loss, (logp, entropy)
 
     return self.loss_grads(base, lora, prompt, prompt_valid, tokens, mask, head)

@@ -15,6 +15,14 @@ over prompt + completion on its own devices (`engine.teacher`), at the same temp
 Logged: distill/reverse_kl (the token mean of log pi_student - log pi_teacher, the quantity
 minimised), distill/teacher_logp, teacher_s (its forward's seconds), and the rollouts' rewards
 as GRPO logs them.
+
+With `distill.topk` = k the teacher also returns its k likeliest tokens at every sampled
+position, and the loss adds topk_coef x the cross-entropy of the student's distribution against
+them (renormalised over the k; GKD's forward KL on the student's own prefixes, Agarwal et al.
+2024), aggregated as the policy loss is, through the same fused head (`heads.fused_token_loss`'s
+soft targets): every position is taught the teacher's preferences over its likely tokens, not
+only the one the student happened to draw. 2k numbers a token cross from the teacher. Logged:
+distill/topk_mass, the teacher's probability the k tokens hold.
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ def token_advantages(student: np.ndarray, teacher: np.ndarray, mask: np.ndarray,
   return np.where(mask, adv, 0.0).astype(np.float32)
 
 
+def soft_targets(logq: np.ndarray, ids: np.ndarray, mask: np.ndarray, coef: float) -> dict:
+  """The batch's soft targets from a teacher's top-k [R, N, k]: its probabilities renormalised
+  over the k, times `coef`, 0 off the mask (the trainer weights them as the policy loss)."""
+  q = np.exp(logq - logq.max(-1, keepdims=True))
+  q = coef * q / q.sum(-1, keepdims=True) * mask[..., None]
+  return {"soft_ids": ids.astype(np.int32), "soft_q": q.astype(np.float32)}
+
+
 def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: int):
   """G samples of the next prompts by the student, the teacher's log-probs of their tokens, one
   update on the per-token advantages: (state, metrics)."""
@@ -56,22 +72,29 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
                                        cfg.grpo.mask_truncated_completions)
   t1 = time.perf_counter()
   comps = groups.comps  # the teacher scores every sampled token, masked or not
-  teacher = setup.teacher.logprobs(host["prompt"], host["prompt_valid"], comps.tokens,
-                                   comps.mask)
+  batch_in = (host["prompt"], host["prompt_valid"], comps.tokens, comps.mask)
+  soft, extra = {}, {}
+  if cfg.distill.topk:  # one forward: the sampled tokens' log-probs and the top-k
+    teacher, logq, ids = setup.teacher.topk(*batch_in, cfg.distill.topk)
+    soft = soft_targets(logq, ids, host["completion_mask"], cfg.distill.topk_coef)
+    extra["distill/topk_mass"] = float((np.exp(logq).sum(-1) * comps.mask).sum() /
+                                       comps.mask.sum())
+  else:
+    teacher = setup.teacher.logprobs(*batch_in)
   teacher_s = time.perf_counter() - t1
   student, mask = host["sampler_logp"], host["completion_mask"]
   adv = token_advantages(student, teacher, mask, rewards, g, cfg.distill.kl_coef,
                          cfg.distill.reward_weight, cfg.grpo.scale_rewards,
                          1 if cfg.grpo.advantage_std == "sample" else 0)
   r = rollout_lib.Rollout(host, rewards, [groups], chosen, trained)
-  batch = grpo.batch_from_rollout(setup, trainer, state.lora, r, advantages=adv)
+  batch = grpo.batch_from_rollout(setup, trainer, state.lora, r, advantages=adv, **soft)
   state, step_metrics = grpo.passes(setup, trainer, state, batch, step)
   step_metrics = {k: float(v) for k, v in step_metrics.items()}
   on = comps.mask
   dt = time.perf_counter() - t0
   return state, {**rollout_lib.metrics(r), **step_metrics, **curriculum,
                  "distill/reverse_kl": float(((comps.logprobs - teacher) * on).sum() / on.sum()),
-                 "distill/teacher_logp": float((teacher * on).sum() / on.sum()),
+                 "distill/teacher_logp": float((teacher * on).sum() / on.sum()), **extra,
                  "teacher_s": teacher_s, "step_time_s": dt,
                  "tokens_per_s": rollout_lib.tokens(r, g) / dt,
                  "samples": rollout_lib.samples(r, g)}

@@ -220,6 +220,10 @@ class Batch(NamedTuple):
   old_logp: jax.Array  # [B * G, N] pi_old by the trainer (mu > 1; unused when mu == 1)
   ref_logp: jax.Array  # [B * G, N] reference log-probs (zeros when beta == 0)
   sampler_logp: jax.Array  # [B * G, N] the sampler's log-probs of its tokens
+  # distillation's soft targets (`distill.topk`): a teacher's top-k ids [B * G, N, k] and their
+  # probabilities times distill.topk_coef [B * G, N, k]; None elsewhere
+  soft_ids: jax.Array | None = None
+  soft_q: jax.Array | None = None
 
 
 class GRPOTrainer(Trainer):
@@ -238,15 +242,18 @@ class GRPOTrainer(Trainer):
     return cls(graphdef, base, cfg.grpo, cfg.optim, **{**kw, **overrides})
 
   def abstract_inputs(self, lora, prompts: int, g: int, prompt_len: int,
-                      new_tokens: int) -> tuple:
+                      new_tokens: int, soft_k: int = 0) -> tuple:
     """(base, state, batch) of `step` as ShapeDtypeStructs placed as a run places them, for
-    `prompts` x `g` rows of `prompt_len` + `new_tokens` tokens."""
+    `prompts` x `g` rows of `prompt_len` + `new_tokens` tokens (with a teacher's top-`soft_k`
+    soft targets: distillation's `distill.topk`)."""
     rows = prompts * g
     s = lambda shape, dtype: mesh_lib.batch_struct(self.mesh, shape, dtype)
     f = lambda: s((rows, new_tokens), jnp.float32)
+    soft = ((s((rows, new_tokens, soft_k), jnp.int32), s((rows, new_tokens, soft_k), jnp.float32))
+            if soft_k else (None, None))
     batch = Batch(s((prompts, prompt_len), jnp.int32), s((prompts, prompt_len), jnp.bool_),
                   s((rows, new_tokens), jnp.int32), s((rows, new_tokens), jnp.bool_),
-                  s((rows,), jnp.float32), f(), f(), f())
+                  s((rows,), jnp.float32), f(), f(), f(), *soft)
     return self.base, self.abstract_state(lora), batch
 
   def _grads(self, base, lora, batch: Batch, weights: jax.Array, seq_log_ratio: jax.Array):
@@ -254,10 +261,11 @@ class GRPOTrainer(Trainer):
     hold the whole batch's loss normalisation (`token_weights`), so losses and gradients of
     micro-batches add up to the batch's; `seq_log_ratio` [R] is GSPO's (else zeros)."""
     row = lambda x: jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, batch.old_logp.shape)
+    soft = None if batch.soft_ids is None else (batch.soft_ids, batch.soft_q * weights[..., None])
     return self.token_loss_grads(
         base, lora, *batch[:4], weights, functools.partial(token_loss, obj=self.obj),
         (batch.old_logp, batch.ref_logp, row(batch.advantages), batch.sampler_logp,
-         row(seq_log_ratio)))
+         row(seq_log_ratio)), soft=soft)
 
   def _train_step(self, base, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     mask = batch.completion_mask
@@ -278,16 +286,18 @@ class GRPOTrainer(Trainer):
 
 
 def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout,
-                       advantages: np.ndarray | None = None) -> Batch:
+                       advantages: np.ndarray | None = None, **extra: np.ndarray) -> Batch:
   """The rollout's groups with their advantages (the rewards' group advantages, or per-token
-  `advantages` [R, N]: distillation's), placed on the mesh; pi_old from the trainer's own
+  `advantages` [R, N]: distillation's) and `extra` host arrays (Batch fields: distillation's
+  soft targets), placed on the mesh; pi_old from the trainer's own
   forward (mu > 1) and the reference's log-probs (beta > 0: the base under the LoRA the run
   started from, `setup.reference`, or under none)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   adv = advantages if advantages is not None else np.asarray(group_advantages(
       jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
       ddof=1 if cfg.grpo.advantage_std == "sample" else 0))
-  host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"]}
+  host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"],
+          **extra}
   batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
   fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
                                       batch["completion"], batch["completion_mask"])

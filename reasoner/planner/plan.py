@@ -131,7 +131,8 @@ def train_plan(setup, prompts: int, chip: Chip, micro: int | None = None) -> Ste
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   trainer = GRPOTrainer.for_run(setup.graphdef, setup.base, cfg, micro_batch=micro)
   args = trainer.abstract_inputs(setup.lora, prompts, g, cfg.data.max_prompt_tokens,
-                                 cfg.rollout.max_new_tokens)
+                                 cfg.rollout.max_new_tokens,
+                                 soft_k=cfg.distill.topk if taught(cfg) else 0)
   out = compile_plan(trainer.step, args, {}, "train", prompts, prompts * g, chip)
   out.micro = micro or prompts
   return out
@@ -160,14 +161,17 @@ def judge_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
 
 def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
   """One batch of distillation's teacher (`engine.teacher`: the log-probs of a rollout's B x G
-  completions) on its devices (the policy's, or its own `distill.devices`), and which."""
+  completions, and their top-k with `distill.topk`) on its devices (the policy's, or its own
+  `distill.devices`), and which."""
   teacher = Teacher.abstract(setup)
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   b = cfg.train.batch_size
   args = teacher.abstract_inputs(b, b * g, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
   where = f"{teacher.mesh.devices.size} chips" + (
       ", the policy's" if teacher.mesh is setup.mesh else " of its own")
-  return compile_plan(teacher._fwd, args, {}, "teacher", b, b * g, chip), where
+  k = cfg.distill.topk
+  fn, args = (teacher._top, (*args, k)) if k else (teacher._fwd, args)
+  return compile_plan(fn, args, {}, "teacher", b, b * g, chip), where
 
 
 def judge_batches(report: dict[str, Any]) -> int:

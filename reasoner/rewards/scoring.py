@@ -26,8 +26,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
+from reasoner import mesh as mesh_lib
 from reasoner.config import RewardSpec
 from reasoner.errors import ConfigError, DataError, RewardError, RewardInterrupted, RewardTimeout
 from reasoner.rewards.builtin import correct, format_exact, format_partial, relevance, repetition
@@ -151,10 +153,10 @@ class Rewards:
     # user functions (a judge, a remote call) in threads; the built-ins, quick, in this one:
     # math-verify's timeouts use signals, which only the main thread can set (in a worker
     # thread every answer it parses came out wrong)
-    futures = {k: _in_thread(lambda k=k: score(k)) for k, s in enumerate(self.specs)
+    futures = {k: in_thread(lambda k=k: score(k)) for k, s in enumerate(self.specs)
                if s.fn not in BUILTIN or s.fn == "judge"}
-    values = [self._wait(k, futures[k], rows[k], n) if k in futures else score(k)
-              for k in range(len(self.fns))]
+    values = self._agreed([None if k in futures else score(k) for k in range(len(self.fns))],
+                          futures, rows, n)
     scored = np.stack([~np.isnan(v) for v in values])
     if n and not scored.any(0).all():
       j = int(np.argmin(scored.any(0)))
@@ -163,30 +165,58 @@ class Rewards:
     total = (weights * np.nan_to_num(np.stack(values))).sum(0) / np.maximum(weights.sum(0), 1e-9)
     return np.asarray(total, np.float32), dict(zip(self.names, values))
 
-  def _wait(self, k: int, future: concurrent.futures.Future, rows: list[int], n: int
-            ) -> np.ndarray:
-    """Reward k's values once its thread returns, within `timeout_s` (module doc)."""
-    spec, start = self.specs[k], time.monotonic()
-    while True:
-      left = spec.timeout_s - (time.monotonic() - start)
+  def _agreed(self, values: list, futures: dict, rows: list[list[int]], n: int) -> list:
+    """The threaded rewards' values, each waited for within its `timeout_s` (module doc), the
+    same on every process: a signal or a time limit that reached one process acts on all (as
+    the loop's `mesh.largest` does for signals), and all take process 0's values, so that no
+    process trains on rewards another did not see (a remote judge may answer each alike)."""
+    if not futures:  # the built-ins alone: deterministic, scored alike on every process
+      return values
+    late, interrupted = np.zeros(len(values) + 1, np.int32), None
+    for k, future in futures.items():
       try:
-        return future.result(timeout=max(0.0, min(0.25, left)))
+        values[k] = wait(future, self.specs[k].timeout_s, self.cancel,
+                         f"reward '{self.names[k]}' scored")
       except concurrent.futures.TimeoutError:
-        if self.cancel.is_set():
-          raise RewardInterrupted(f"a signal arrived while reward '{self.names[k]}' scored")
-        if left <= 0:
-          break
-    if spec.on_timeout == "zero":
-      self.timeouts[self.names[k]] += len(rows)
-      out = np.full(n, np.nan, np.float32)
-      out[rows] = 0.0
-      return out
-    raise RewardTimeout(f"reward function '{self.names[k]}' did not return within "
-                        f"{spec.timeout_s:g} s (rewards[{k}].timeout_s; on_timeout: zero "
-                        "scores such rows 0 instead)")
+        late[k] = 1
+      except RewardInterrupted as e:
+        late[-1], interrupted = 1, e
+        break
+    agreed = mesh_lib.largest_each(late)
+    if agreed[-1]:
+      raise interrupted or RewardInterrupted("a signal reached another process while rewards "
+                                             "scored")
+    for k in np.flatnonzero(agreed[:-1]):
+      spec, elsewhere = self.specs[k], "" if late[k] else " on another process"
+      if spec.on_timeout != "zero":
+        raise RewardTimeout(f"reward function '{self.names[k]}' did not return within "
+                            f"{spec.timeout_s:g} s{elsewhere} (rewards[{k}].timeout_s; "
+                            "on_timeout: zero scores such rows 0 instead)")
+      self.timeouts[self.names[k]] += len(rows[k])
+      values[k] = np.full(n, np.nan, np.float32)
+      values[k][rows[k]] = 0.0
+    if jax.process_count() > 1:
+      values = list(mesh_lib.from_process_0(np.stack(values)))
+    return values
 
 
-def _in_thread(fn: Callable[[], np.ndarray]) -> concurrent.futures.Future:
+def wait(future: concurrent.futures.Future, timeout_s: float, cancel: threading.Event,
+         what: str):
+  """`future`'s result within `timeout_s` (else `concurrent.futures.TimeoutError`), polled
+  every quarter of a second for `cancel`: set, it raises `RewardInterrupted` naming `what`."""
+  start = time.monotonic()
+  while True:
+    left = timeout_s - (time.monotonic() - start)
+    try:
+      return future.result(timeout=max(0.0, min(0.25, left)))
+    except concurrent.futures.TimeoutError:
+      if cancel.is_set():
+        raise RewardInterrupted(f"a signal arrived while {what}") from None
+      if left <= 0:
+        raise
+
+
+def in_thread(fn: Callable[[], np.ndarray]) -> concurrent.futures.Future:
   """`fn()` in a daemon thread of its own: a call that never returns keeps no process alive."""
   future: concurrent.futures.Future = concurrent.futures.Future()
 
