@@ -23,12 +23,21 @@ summed. Goals: issue 39's (the log-prob forward at most Tunix's, bound by HBM or
 step's interconnect time at most its HBM time) and issue 37's (the train step bound by HBM or FLOPs
 and at most half of 262 ms, the plan before the per-channel count; the step at most 0.6 s; at least
 3x Tunix's steps a session; within 1.5x of the step's floor).
+
+Tunix's parts on each mesh (about 10 minutes each on 2 cores) are kept in bench/.cache/ under a
+hash of the sources that shape them (this file, bench/rollout_tpu.py, reasoner/, the preset,
+Tunix's version): a run stopped part-way (the host's memory, a session's end) goes on from the
+meshes it finished. The plans are compiled, not timed, so parts from two runs are the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import pathlib
 import types
 
 from bench import common
@@ -155,18 +164,40 @@ def _show(name: str, parts: dict) -> None:
                                       for a, b in v.items()), flush=True)
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CACHE = ROOT / "bench" / ".cache" / "grpo_step_tpu"
+
+
+def _sources_key() -> str:
+  """A hash of what Tunix's plans depend on: this bench, rollout_tpu, reasoner/, the preset and
+  Tunix's version."""
+  h = hashlib.sha256(importlib.metadata.version("google-tunix").encode())
+  files = [ROOT / "bench" / "grpo_step_tpu.py", ROOT / "bench" / "rollout_tpu.py",
+           ROOT / "configs" / "gemma3_1b.yaml", *sorted((ROOT / "reasoner").rglob("*.py"))]
+  for f in files:
+    h.update(f.relative_to(ROOT).as_posix().encode() + f.read_bytes())
+  return h.hexdigest()
+
+
 def _tunix(cfg, devices, chip) -> dict:
-  """Tunix 0.1.7's parts on each mesh, printed as they come."""
-  tunix = {}
+  """Tunix 0.1.7's parts on each mesh, printed as they come (kept in CACHE, module doc)."""
+  tunix, key = {}, _sources_key()
   for fsdp, tp in TUNIX_MESHES:
+    name = f"fsdp {fsdp} x tp {tp}"
+    kept = CACHE / f"fsdp{fsdp}_tp{tp}.json"
+    if kept.exists() and json.loads(kept.read_text())["key"] == key:
+      tunix[name] = json.loads(kept.read_text())["parts"]
+      _show(f"Tunix 0.1.7 {name} (kept from an earlier run of the same sources)", tunix[name])
+      continue
     print(f"  Tunix 0.1.7 on fsdp {fsdp} x tp {tp} ...", flush=True)
     with lora_in_tunix_call(None):  # unpinned, as bench/rollout_tpu.py compiles it
       rollout, total = tunix_rollout(cfg, devices, fsdp, tp, PROMPTS, chip)
     forward, train, remat = tunix_forward_and_train(cfg, devices, fsdp, tp, PROMPTS, chip)
-    name = f"fsdp {fsdp} x tp {tp}"
     tunix[name] = {"remat": remat,
                    "rollout": {**_part(rollout, chip), "GiB/chip": total / 2**30},
                    "logprobs": _part(forward, chip), "train": _part(train, chip)}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({"key": key, "parts": tunix[name]}, indent=1))
     _show(f"Tunix 0.1.7 {name}", tunix[name])
   return tunix
 
