@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import pathlib
 import types
@@ -153,7 +154,7 @@ def _step(name: str, parts: dict, forwards: int) -> dict:
            + parts["train"]["floor ms"]) / 1e3
   return {"step": name, "est s": est, "floor s": floor, "est / floor": est / floor,
           "steps a session": int(SESSION // est),
-          **{f"{k} ms": v["est ms"] for k, v in parts.items()}}
+          **{f"{k} ms": v["est ms"] for k, v in parts.items() if isinstance(v, dict)}}
 
 
 def _show(name: str, parts: dict) -> None:
@@ -169,11 +170,13 @@ CACHE = ROOT / "bench" / ".cache" / "grpo_step_tpu"
 
 
 def _sources_key() -> str:
-  """A hash of what Tunix's plans depend on: this bench, rollout_tpu, reasoner/, the preset and
-  Tunix's version."""
+  """A hash of what Tunix's plans depend on: this bench's functions that compile them,
+  rollout_tpu, reasoner/, the preset and Tunix's version."""
   h = hashlib.sha256(importlib.metadata.version("google-tunix").encode())
-  files = [ROOT / "bench" / "grpo_step_tpu.py", ROOT / "bench" / "rollout_tpu.py",
-           ROOT / "configs" / "gemma3_1b.yaml", *sorted((ROOT / "reasoner").rglob("*.py"))]
+  for fn in (lora_in_tunix_call, tunix_forward_and_train, _part, _tunix):
+    h.update(inspect.getsource(fn).encode())
+  files = [ROOT / "bench" / "rollout_tpu.py", ROOT / "configs" / "gemma3_1b.yaml",
+           *sorted((ROOT / "reasoner").rglob("*.py"))]
   for f in files:
     h.update(f.relative_to(ROOT).as_posix().encode() + f.read_bytes())
   return h.hexdigest()
