@@ -25,9 +25,10 @@ and at most half of 262 ms, the plan before the per-channel count; the step at m
 3x Tunix's steps a session; within 1.5x of the step's floor).
 
 Tunix's parts on each mesh (about 10 minutes each on 2 cores) are kept in bench/.cache/ under a
-hash of the sources that shape them (this file, bench/rollout_tpu.py, reasoner/, the preset,
-Tunix's version): a run stopped part-way (the host's memory, a session's end) goes on from the
-meshes it finished. The plans are compiled, not timed, so parts from two runs are the same.
+hash of the sources that shape them (this file's functions that compile them,
+bench/rollout_tpu.py, reasoner/, the preset, Tunix's version): a run stopped part-way (the
+host's memory, a session's end) goes on from the meshes it finished. The plans are compiled, not
+timed, so parts from two runs are the same.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def _sources_key() -> str:
   """A hash of what Tunix's plans depend on: this bench's functions that compile them,
   rollout_tpu, reasoner/, the preset and Tunix's version."""
   h = hashlib.sha256(importlib.metadata.version("google-tunix").encode())
-  for fn in (lora_in_tunix_call, tunix_forward_and_train, _part, _tunix):
+  for fn in (lora_in_tunix_call, tunix_forward_and_train, _part):
     h.update(inspect.getsource(fn).encode())
   files = [ROOT / "bench" / "rollout_tpu.py", ROOT / "configs" / "gemma3_1b.yaml",
            *sorted((ROOT / "reasoner").rglob("*.py"))]
@@ -188,8 +189,9 @@ def _tunix(cfg, devices, chip) -> dict:
   for fsdp, tp in TUNIX_MESHES:
     name = f"fsdp {fsdp} x tp {tp}"
     kept = CACHE / f"fsdp{fsdp}_tp{tp}.json"
-    if kept.exists() and json.loads(kept.read_text())["key"] == key:
-      tunix[name] = json.loads(kept.read_text())["parts"]
+    old = json.loads(kept.read_text()) if kept.exists() else {}
+    if old.get("key") == key:
+      tunix[name] = old["parts"]
       _show(f"Tunix 0.1.7 {name} (kept from an earlier run of the same sources)", tunix[name])
       continue
     print(f"  Tunix 0.1.7 on fsdp {fsdp} x tp {tp} ...", flush=True)
