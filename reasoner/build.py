@@ -120,6 +120,8 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   sets = {name: fit(recs, f"'{name}' evaluation") for name, recs in c.sets.items()}
   model = lora_lib.apply_lora(model, cfg.lora, c.mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
+  if cfg.mesh.weights == "replicated":  # loaded into shards, then gathered once
+    lora, base = mesh_lib.gathered_whole((lora, base), c.mesh)
   setup = Setup(cfg, c.mesh, tokenizer, graphdef, lora, base, c.rewards, train, held_out, spec,
                 sets, c.devices)
   if judged(cfg) and with_judge:
@@ -174,5 +176,7 @@ def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup
     model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
     graphdef, lora, base = lora_lib.split(nnx.eval_shape(
         lambda m: lora_lib.with_lora(m, cfg.lora, cfg.train.seed), model))
-  return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh),
-               mesh_lib.placed(base, mesh), Rewards(cfg.rewards), [], [], spec, devices=split)
+  rule = mesh_lib.weight_rule(cfg.mesh.weights)
+  return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh, rule),
+               mesh_lib.placed(base, mesh, rule), Rewards(cfg.rewards), [], [], spec,
+               devices=split)

@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
       c.add_argument("--question", required=True)
       c.add_argument("-n", type=int, default=1, help="completions (1: greedy)")
     if name == "plan":
-      c.add_argument("--topology", default="v5e:2x4", help="TPU topology, or 'cpu' (this host)")
+      c.add_argument("--topology", default="v5e:2x4",
+                     help="TPU topology, 'local' (this host's accelerators) or 'cpu'")
       c.add_argument("--no-search", dest="search", action="store_false",
                      help="only the configured batch, no search for the largest that fits")
       c.add_argument("--analytic", action="store_true", help="estimate; compile nothing")

@@ -123,6 +123,22 @@ def placed(state: Any, mesh: Mesh, rule: Callable[[Any, Mesh], Any] | None = Non
                       (rule or shardings)(state, mesh))
 
 
+def whole(state: Any, mesh: Mesh) -> Any:
+  """Every array of `state` whole on every chip of `mesh` (`mesh.weights: replicated`)."""
+  return jax.tree.map(lambda _: replicated(mesh), state)
+
+
+def weight_rule(weights: str) -> Callable[[Any, Mesh], Any]:
+  """The training weights' placement rule for `mesh.weights`."""
+  return whole if weights == "replicated" else shardings
+
+
+def gathered_whole(state: Any, mesh: Mesh) -> Any:
+  """`state` (placed by its rules) gathered whole onto every chip, once: an identity compiled
+  to replicated outputs, which works across hosts where a device_put would not."""
+  return jax.jit(lambda t: t, out_shardings=whole(state, mesh))(state)
+
+
 def param_rules(tunix_lib: Any) -> Any:
   """The parameters' partition rules: Tunix's default ShardingConfig for the model family
   (`tunix_lib`: Tunix's gemma or gemma3 model module), e.g. embeddings ('tp', 'fsdp'), q/kv

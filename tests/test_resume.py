@@ -38,7 +38,8 @@ def _lora(run_dir, name, step):
   return out["lora"], out["opt_state"]
 
 
-@pytest.mark.parametrize("extra", [(), DYNAMIC], ids=["default", "dynamic-sampling"])
+@pytest.mark.parametrize("extra", [(), DYNAMIC, ("mesh.weights=replicated",)],
+                         ids=["default", "dynamic-sampling", "replicated-weights"])
 def test_killed_run_resumes_to_the_same_parameters(tmp_path, extra):
   subprocess.run(_cmd(tmp_path, "full", extra), env=_env(), cwd=ROOT, check=True,
                  capture_output=True)
@@ -64,7 +65,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, extra):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert (tmp_path / "cut" / "eval.json").exists() and (tmp_path / "cut" / "reward.png").exists()
-  if extra:  # the refills happened, and the resumed run drew the same prompts
+  if extra == DYNAMIC:  # the refills happened, and the resumed run drew the same prompts
     rows = lambda name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")
                          if "groups_drawn" in line]
     full, cut = rows("full"), rows("cut")

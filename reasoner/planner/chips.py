@@ -19,6 +19,11 @@ class Chip:
   bandwidth: float  # HBM bytes/s
   ici: float  # interconnect bytes/s of one link, both directions (a ring sends half each way)
   hop: float = 1e-6  # seconds per step of a ring collective (latency)
+  # seconds a kernel costs beyond its own work, where kernels run one after another, each
+  # launched by the host (a GPU): a step is then the sum of each kernel's own bound plus this
+  # for every kernel (`StepPlan.times`). 0: a TPU's program, whose compute and HBM traffic
+  # overlap across it (the step is its largest bound).
+  launch: float = 0.0
 
 
 # HBM, FLOP/s and ICI link bandwidths: the chip tables of "How to Scale Your Model" (Austin et
@@ -29,7 +34,30 @@ class Chip:
 CHIPS = {"v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 9e10),
          "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1.8e11),
          "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 1.8e11),
-         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9, 9e10)}
+         "v4": Chip("TPU v4", 32 * GiB, 275e12, 1228e9, 9e10),
+         # GPUs, for `--topology local` where one is lent (bench/device.py); the HBM is then the
+         # device's own limit. The rates are those seen on this workplace's machines (an 8192^3
+         # bf16 matmul, a device-to-device copy: 798 / 788 TFLOP/s, 3.0 / 4.3 TB/s), not the
+         # datasheets' 989 and 3.35 / 4.8; NVLink 900 GB/s a GPU. The launch cost was fitted on
+         # the H200 (`make bench BENCH=device`: the rollouts' decode loops, launch-bound, gave
+         # 2.35 and 2.45 us a kernel).
+         "h100": Chip("NVIDIA H100", 80 * GiB, 798e12, 3.0e12, 9e11, launch=2.5e-6),
+         "h200": Chip("NVIDIA H200", 141 * 10**9, 788e12, 4.3e12, 9e11, launch=2.5e-6)}
+# jax's device_kind -> CHIPS key (TPU v5e and v6e report themselves as "lite")
+KINDS = {"tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5p": "v5p", "tpu v5": "v5p",
+         "tpu v6 lite": "v6e", "tpu v6e": "v6e", "tpu v4": "v4", "h100": "h100", "h200": "h200"}
+
+
+def local_chip(device) -> Chip | None:
+  """The chip table of a local jax device (its HBM the device's own limit where it reports
+  one), or None for a kind without one (a CPU, an unknown accelerator)."""
+  kind = device.device_kind.lower()
+  key = next((v for k, v in KINDS.items() if k in kind), None)
+  if key is None or device.platform == "cpu":
+    return None
+  stats = device.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return dataclasses.replace(CHIPS[key], hbm=int(limit)) if limit else CHIPS[key]
 
 
 def collective_seconds(c: Collective, chip: Chip) -> float:

@@ -27,6 +27,7 @@ import numpy as np
 _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\](\{[^}]*\})?")
 _ITEM = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_CONTROL = {"while", "conditional", "call", "async-start", "async-update", "async-done"}
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
          "partition-id", "replica-id", "iota"}
 
@@ -80,8 +81,21 @@ def _parse_op(line: str) -> _Op | None:
     return None
   j = _close(rest, k)
   text_args = rest[k + 1:j]
-  return _Op(name, shape, rest[:k], re.findall(r"%([\w.\-]+)", text_args), rest[j + 1:],
-             text_args)
+  return _Op(name, shape, rest[:k], re.findall(r"%([\w.\-]+(?:#\d+)?)", text_args),
+             rest[j + 1:], text_args)
+
+
+def _element(shape: str, k: int) -> str:
+  """The k-th element of a tuple shape `(a, b, ...)`."""
+  s = re.sub(r"/\*.*?\*/", "", shape).strip()[1:-1]
+  depth, start, parts = 0, 0, []
+  for i, ch in enumerate(s):
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+    if ch == "," and depth == 0:
+      parts.append(s[start:i])
+      start = i + 1
+  parts.append(s[start:])
+  return parts[k].strip() if k < len(parts) else ""
 
 
 def parse_hlo(text: str) -> tuple[dict[str, dict[str, _Op]], str]:
@@ -96,6 +110,11 @@ def parse_hlo(text: str) -> tuple[dict[str, dict[str, _Op]], str]:
     elif line.startswith("}"):
       current = None
     elif current is not None and (op := _parse_op(line)):
+      for a in op.args:  # GPU's `%t#k`: element k of tuple t, as a get-tuple-element
+        base, _, k = a.partition("#")
+        if k and a not in current and base in current:
+          current[a] = _Op(a, _element(current[base].shape, int(k)), "get-tuple-element",
+                           [base], f", index={k}", base)
       current[op.name] = op
   return comps, entry
 
@@ -153,6 +172,17 @@ def _trip_count(op: _Op, comp: dict[str, _Op], comps: dict) -> int:
 def _window(op: _Op, key: str, n: int, default: int) -> list[int]:
   m = re.search(r"\b" + key + r"=([\d_x]+)", op.attrs)
   return [int(v.split("_")[0]) for v in m.group(1).split("x")] if m else [default] * n
+
+
+def _gemm(op: _Op, comp: dict[str, _Op]) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of a GPU library matmul (`__cublas$gemm`, `__cublas$lt$matmul`): its
+  result is (product, workspace), and only the product is written."""
+  product = _element(op.shape, 0) if op.shape.startswith("(") else op.shape
+  lhs = _dims(comp[op.args[0]].shape) if op.args and op.args[0] in comp else []
+  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.attrs)
+  k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", m.group(1))) if m and lhs else 1
+  reads = sum(_nbytes(comp[a].shape) for a in op.args if a in comp)
+  return 2.0 * math.prod(_dims(product)) * k, reads + _nbytes(product)
 
 
 def _matmul_flops(op: _Op, comp: dict[str, _Op]) -> float:
@@ -240,6 +270,11 @@ class Cost:
 
   flops: float = 0.0
   bytes: float = 0.0
+  kernels: float = 0.0  # ops launched on their own (fusions, library calls, copies), per run
+  # each kernel's own bound, summed (`analyse(ridge=)`): the FLOPs of those whose FLOPs per
+  # byte pass the chip's ridge point, the bytes of the others
+  serial_flops: float = 0.0
+  serial_bytes: float = 0.0
   collectives: dict[Collective, float] = dataclasses.field(default_factory=dict)
   loops: list[tuple[int, "Cost"]] = dataclasses.field(default_factory=list)  # (trips, body)
   # a fusion body's collectives by channel_id, which the computation that runs the fusions
@@ -249,10 +284,22 @@ class Cost:
   def add(self, other: "Cost", times: float = 1.0) -> "Cost":
     self.flops += times * other.flops
     self.bytes += times * other.bytes
+    self.kernels += times * other.kernels
+    self.serial_flops += times * other.serial_flops
+    self.serial_bytes += times * other.serial_bytes
     for c, n in other.collectives.items():
       self.collectives[c] = self.collectives.get(c, 0.0) + times * n
     self.channels.update(other.channels)
     return self
+
+  def bound_kernel(self, bytes0: float, flops0: float, ridge: float) -> None:
+    """The kernel just counted (the bytes and FLOPs added since `bytes0`, `flops0`) into the
+    sum of its bound: FLOPs past the ridge point (FLOPs a byte), else bytes."""
+    db, df = self.bytes - bytes0, self.flops - flops0
+    if df > ridge * db:
+      self.serial_flops += df
+    else:
+      self.serial_bytes += db
 
   @property
   def num_collectives(self) -> float:
@@ -277,10 +324,19 @@ def _collective(op: _Op, comp: dict[str, _Op]) -> Collective | None:
   return Collective(kind, _group(op), size)
 
 
-def analyse(text: str) -> Cost:
+def sum_costs(costs) -> Cost:
+  total = Cost()
+  for c in costs:
+    total.add(c)
+  return total
+
+
+def analyse(text: str, ridge: float = 0.0) -> Cost:
   """FLOPs, HBM bytes and collectives of a compiled HLO module, every loop body counted once
   per trip, a conditional at its costliest branch. Collectives are counted where they run,
-  fusions included (TPU wraps asynchronous ones in fusions); each `-start`/`-done` pair once."""
+  fusions included (TPU wraps asynchronous ones in fusions); each `-start`/`-done` pair once.
+  Also the kernels launched and, by `ridge` (the chip's FLOPs a byte of HBM), the sum of each
+  kernel's own bound (`Cost.serial_*`): a GPU's time, where kernels run one after another."""
   comps, entry = parse_hlo(text)
   memo: dict[tuple[str, bool], Cost] = {}
 
@@ -292,11 +348,12 @@ def analyse(text: str) -> Cost:
     comp, total = comps.get(name, {}), Cost()
     for op in comp.values():
       called = lambda k: _called(op, k)
+      control = op.op in _CONTROL or op.op.endswith("-start") and bool(called("calls"))
+      total.kernels += top and not (control or op.op in _FREE or op.op.endswith("-done"))
+      b0, f0 = total.bytes, total.flops
       if op.op == "while":
         trips = _trip_count(op, comp, comps)
-        body = Cost()
-        for c in called("body") + called("condition"):
-          body.add(walk(c, True))
+        body = sum_costs(walk(c, True) for c in called("body") + called("condition"))
         total.add(body, trips)
         total.loops += [(trips, body)] + [(t * trips, b) for t, b in body.loops]
       elif op.op == "conditional":
@@ -319,11 +376,15 @@ def analyse(text: str) -> Cost:
           total.bytes += sum(_fusion_bytes(op, comp, comps.get(c, {})) for c in called("calls"))
         for c in called("calls"):
           total.add(walk(c, False))
-      elif op.op in ("dot", "convolution"):
-        total.flops += _matmul_flops(op, comp)
-        total.bytes += _op_bytes(op, comp) if top else 0.0
+      elif op.op in ("dot", "convolution") or op.op == "custom-call" and "__cublas" in op.attrs:
+        flops, nbytes = (_gemm(op, comp) if op.op == "custom-call" else
+                         (_matmul_flops(op, comp), _op_bytes(op, comp)))
+        total.flops += flops
+        total.bytes += nbytes if top else 0.0
       elif top:
         total.bytes += _op_bytes(op, comp)
+      if top and not control:
+        total.bound_kernel(b0, f0, ridge)
     if top:  # the fusions' collectives, once per channel
       for coll in total.channels.values():
         total.collectives[coll] = total.collectives.get(coll, 0.0) + 1

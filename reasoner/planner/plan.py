@@ -44,7 +44,7 @@ from reasoner.engine.teacher import Teacher
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
-from reasoner.planner.chips import CHIPS, Chip, collective_seconds
+from reasoner.planner.chips import CHIPS, Chip, collective_seconds, local_chip
 from reasoner.planner.hlo import Cost, analyse
 from reasoner.planner import libtpu
 from reasoner.planner.layout import decode_layout
@@ -73,24 +73,33 @@ class StepPlan:
   token: Cost | None = None  # rollout: one trip of the decode loop (one token for every row)
   layout: str = ""  # rollout: the decode layout (`rollout.layout`)
   resident: int = 0  # rollout: bytes of the base's copy in the decode layout, kept all run
+  kernels: float = 0.0  # ops launched, loop bodies once per trip
+  serial_flops: float = 0.0  # FLOPs of the kernels bound by FLOPs (`hlo.analyse(ridge=)`)
+  serial_bytes: float = 0.0  # HBM bytes of the others
 
   @property
   def total(self) -> int:
     return self.arguments + self.temporaries + self.outputs - self.aliased
 
   def times(self, chip: Chip) -> dict[str, float]:
-    """Seconds the step would take if bound by each resource alone."""
+    """Seconds the step would take if bound by each resource alone; on a chip that launches
+    kernels one by one (`Chip.launch`, a GPU), the seconds of the kernels each resource binds
+    and of their launches, which add up."""
+    wire = sum(n * collective_seconds(c, chip) for c, n in self.collectives.items())
+    if chip.launch:
+      return {"HBM": self.serial_bytes / chip.bandwidth, "FLOPs": self.serial_flops / chip.flops,
+              "launch": self.kernels * chip.launch, "interconnect": wire}
     return {"HBM": self.bytes / chip.bandwidth, "FLOPs": self.flops / chip.flops,
-            "interconnect": sum(n * collective_seconds(c, chip)
-                                for c, n in self.collectives.items())}
+            "interconnect": wire}
 
   def bound(self, chip: Chip) -> str:
     times = self.times(chip)
     return max(times, key=times.get)
 
   def seconds(self, chip: Chip) -> float:
-    """The step's time under the resource that binds it: a lower bound."""
-    return max(self.times(chip).values())
+    """The step's time under the resource that binds it: a lower bound (on a GPU, the sum)."""
+    times = self.times(chip).values()
+    return sum(times) if chip.launch else max(times)
 
 
 # ------------------------------------------------------------------------------- compiling
@@ -115,10 +124,12 @@ def compile_plan(fn, args: tuple, kwargs: dict, what: str, prompts: int, rows: i
     return out_of_memory(e, StepPlan(what, prompts, rows, fits=False))
   mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  seen = analyse(compiled.as_text())
+  seen = analyse(compiled.as_text(), chip.flops / chip.bandwidth)
   out = StepPlan(what, prompts, rows, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                  mem.temp_size_in_bytes, mem.alias_size_in_bytes, seen.flops,
-                 float(cost.get("flops", 0.0)), seen.bytes, collectives=seen.collectives)
+                 float(cost.get("flops", 0.0)), seen.bytes, collectives=seen.collectives,
+                 kernels=seen.kernels, serial_flops=seen.serial_flops,
+                 serial_bytes=seen.serial_bytes)
   loop = seen.decode_loop() if what == "rollout" else None
   out.token = loop[1] if loop else None
   out.fits = out.total <= chip.hbm
@@ -259,8 +270,9 @@ def micro_batch_for(prompts: int, largest: int, g: int, fsdp: int) -> int:
 def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
                   chip: Chip, micro: int | None = None) -> StepPlan:
   """A rough per-chip estimate from the model's shapes, used when nothing can be compiled:
-  sharded weights, replicated LoRA + AdamW, saved activations by remat setting, the chunked
-  head's blocks, the KV cache; FLOPs 2 x weights x tokens (x2 backward, x1 more with remat)."""
+  sharded weights (whole with `mesh.weights: replicated`), replicated LoRA + AdamW, saved
+  activations by remat setting, the chunked head's blocks, the KV cache; FLOPs 2 x weights x
+  tokens (x2 backward, x1 more with remat)."""
   spec = spec_without_checkpoint(cfg.model)[1]
   t = spec.tunix_config
   d, f, layers, v = t.embed_dim, t.hidden_dim, t.num_layers, t.num_embed
@@ -275,7 +287,8 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   q = cfg.lora.base_qtype  # QLoRA: the layers' kernels in 4 or 8 bits plus a scale per tile
   kernel = item if q == "none" else {"nf4": 0.5, "int8": 1}[q] + item / cfg.lora.base_tile_size
   held = layers * per_layer * kernel + v * d * item
-  out = StepPlan(what, prompts, rows, arguments=int(held / chips),
+  whole = cfg.mesh.weights == "replicated" and what == "train"  # the base whole on each chip
+  out = StepPlan(what, prompts, rows, arguments=int(held / (1 if whole else chips)),
                  note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
     if spec.family == "gemma3":  # `models.layer`: named matmul outputs, no [T, S] probabilities
@@ -307,10 +320,13 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
     return ((jax.devices() if compile else None), CHIPS["v5e"],
             "compiled for this host's CPU devices (XLA:CPU figures, v5e limits)" if compile
             else "analytic estimate (--analytic), v5e limits")
+  if topology == "local":
+    devices, chip, method = _local()
+    return (devices, chip, method) if compile else (None, chip, "analytic estimate (--analytic)")
   chip = CHIPS.get(topology.split(":")[0])
   if chip is None or not re.fullmatch(r"\w+:\d+(x\d+)*", topology):
     raise ConfigError(f"--topology {topology!r}: expected '<chip>:<shape>' with a chip among "
-                     f"{', '.join(CHIPS)}, e.g. v5e:2x4, or 'cpu'")
+                     f"{', '.join(CHIPS)}, e.g. v5e:2x4, or 'local' or 'cpu'")
   if not compile:
     return None, chip, "analytic estimate (--analytic)"
   from jax.experimental import topologies
@@ -323,6 +339,18 @@ def target(topology: str, compile: bool = True) -> tuple[list[Any] | None, Chip,
     return None, chip, (f"analytic estimate: could not compile for {topology} ({str(e)[:80]}); "
                         "install the tpu extra (pip install '.[tpu]') to compile")
   return devices, chip, f"compiled ahead of time for {topology} (libtpu)"
+
+
+def _local() -> tuple[list[Any], Chip, str]:
+  """This host's accelerators and their chip table (a lent GPU, a TPU VM's chips)."""
+  devices = jax.devices()
+  chip = local_chip(devices[0])
+  if chip is None:
+    raise ConfigError(f"--topology local: no chip table for this host's "
+                      f"{devices[0].device_kind!r} ({jax.default_backend()}); known: "
+                      f"{', '.join(CHIPS)}. Use 'cpu' or a TPU topology such as v5e:2x4")
+  return devices, chip, (f"compiled for this host's {len(devices)} x {devices[0].device_kind} "
+                         f"({chip.hbm / 2**30:.0f} GiB each)")
 
 
 def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: bool = False,

@@ -28,7 +28,9 @@ def _row(r: StepPlan, chip: Chip) -> str:
           + f"\n{'':11s}{r.flops / 1e12:.3g} TFLOP, {r.bytes / GiB:.3g} GiB HBM traffic, "
           f"{count:.0f} collectives{token}\n{'':11s}est. {r.seconds(chip) * 1e3:.1f} ms, bound "
           f"by {r.bound(chip)} (HBM {t['HBM'] * 1e3:.1f} ms, interconnect "
-          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms)"
+          f"{t['interconnect'] * 1e3:.1f} ms, FLOPs {t['FLOPs'] * 1e3:.1f} ms"
+          + (f", {r.kernels:.0f} kernel launches {t['launch'] * 1e3:.1f} ms" if "launch" in t
+             else "") + ")"
           + _collectives(r, chip))
 
 

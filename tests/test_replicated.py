@@ -1,0 +1,72 @@
+"""`mesh.weights: replicated`: the base and LoRA whole on every chip; the train step equals the
+sharded one's loss and update, and gathers no weights (what crosses chips: the LoRA's gradients
+and the vocabulary-parallel head's hidden states)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import shard_fraction, tiny_config
+from reasoner.build import build
+from reasoner.objectives.grpo import GRPOTrainer as Trainer
+from reasoner.planner import hlo
+from test_train import random_batch
+
+SETTINGS = ("rollout.num_generations=4", "train.batch_size=4", "grpo.beta=0.04")
+
+
+@pytest.fixture(scope="module")
+def pair():
+  return {w: build(tiny_config(*SETTINGS, f"mesh.weights={w}")) for w in ("sharded",
+                                                                          "replicated")}
+
+
+def _step(setup):
+  trainer = Trainer.for_run(setup.graphdef, setup.base, setup.cfg)
+  batch = random_batch(setup, prompts=4, g=4, seed=5)
+  lora = jax.tree.map(lambda x: x + 0.05, setup.lora)  # every LoRA weight gets a gradient
+  state = trainer.init_state(jax.tree.map(jnp.copy, lora), jax.random.PRNGKey(0))
+  text = trainer.step.lower(setup.base, state, batch).compile().as_text()
+  logp = trainer.logprobs(lora, *batch[:4])
+  state, m = trainer.train_step(state, batch)
+  return trainer, state, m, np.asarray(logp), hlo.analyse(text)
+
+
+def test_replicated_weights_step_equals_the_sharded_step(pair):
+  rep, shd = pair["replicated"], pair["sharded"]
+  emb = rep.base["embedder"]["input_embedding"].get_value()
+  assert emb.sharding.is_fully_replicated and shard_fraction(emb) == 1.0
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(rep.lora))
+  for a, b in zip(jax.tree.leaves(rep.base), jax.tree.leaves(shd.base)):  # the same weights
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _, s_r, m_r, logp_r, cost_r = _step(rep)
+  _, s_s, m_s, logp_s, cost_s = _step(shd)
+  np.testing.assert_allclose(logp_r, logp_s, rtol=1e-5, atol=1e-5)
+  assert float(m_s["grad_norm"]) > 0
+  for k in m_s:
+    np.testing.assert_allclose(float(m_r[k]), float(m_s[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+  scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(s_s.lora))
+  for a, b in zip(jax.tree.leaves(s_r.lora), jax.tree.leaves(s_s.lora)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(s_r.lora))
+  # what crosses chips: the sharded step gathers the weights (892 KB a step on the tiny model),
+  # the replicated one the head's hidden states (35 KB); both all-reduce the LoRA's gradients
+  gathered = lambda c: sum(k.bytes * n for k, n in c.collectives.items() if k.kind == "all-gather")
+  assert 0 < 10 * gathered(cost_r) < gathered(cost_s)
+  assert 4 * cost_r.num_collectives < cost_s.num_collectives
+
+
+def test_abstract_build_places_the_weights_as_the_run_does():
+  devices = jax.devices()
+  setup = build(tiny_config(*SETTINGS, "mesh.weights=replicated"), abstract=True,
+                devices=devices)
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(setup.base))
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(setup.lora))
+
+
+def test_bad_weights_value_is_one_line_naming_the_key():
+  from reasoner.config import ConfigError
+
+  with pytest.raises(ConfigError, match="mesh.weights"):
+    tiny_config("mesh.weights=whole")
