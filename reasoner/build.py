@@ -148,7 +148,8 @@ def taught(cfg: Config) -> bool:
 
 def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> Devices:
   """The policy's devices and, with `judge.devices: N`, the judge's: the last N; with a
-  `teacher` on `distill.devices: M`, the teacher's: the M before them."""
+  `teacher` on `distill.devices: M`, the teacher's: the M before them. On several hosts each
+  host gives alike (`_split_per_host`)."""
   devices = list(jax.devices() if devices is None else devices)
   j = (cfg.judge.devices or 0) if judged(cfg) else 0
   t = (cfg.distill.devices or 0) if teacher and cfg.distill.teacher is not None else 0
@@ -158,9 +159,32 @@ def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> D
     raise ConfigError(f"config key '{key}' = {value}{both}: this run has {len(devices)} "
                       f"devices, and the policy needs at least one (at most "
                       f"{len(devices) - 1 - (j + t - value)})")
+  hosts = sorted({d.process_index for d in devices})
+  if len(hosts) > 1 and j + t:  # several hosts: each gives every model its share
+    return _split_per_host(devices, hosts, j, t)
   rest = len(devices) - j - t
   return Devices(devices[:rest], devices[len(devices) - j:] if j else None,
                  devices[rest:rest + t] if t else None)
+
+
+def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
+  """The judge's and the teacher's devices taken alike from every host (the last j / P of each
+  host's, the t / P before them), so that every process runs every model's programs on devices
+  of its own, as multi-controller JAX needs."""
+  n = len(hosts)
+  for key, value in (("judge.devices", j), ("distill.devices", t)):
+    if value % n:
+      raise ConfigError(f"config key '{key}' = {value}: this run spans {n} hosts (processes), "
+                        f"and a model of its own takes the same number of devices from each: "
+                        f"a multiple of {n}")
+  policy, judge, teacher = [], [], []
+  for h in hosts:
+    local = [d for d in devices if d.process_index == h]
+    rest = len(local) - (j + t) // n
+    policy += local[:rest]
+    teacher += local[rest:rest + t // n]
+    judge += local[rest + t // n:]
+  return Devices(policy, judge or None, teacher or None)
 
 
 def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup:

@@ -5,14 +5,17 @@ Each process runs `python -m reasoner`'s `loop.train` in full: restore from a ti
 checkpoint, rollout, train step, orbax checkpoint, held-out eval, metrics (process 0 only).
 """
 
+import dataclasses
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -61,6 +64,96 @@ def test_two_processes_agree_with_one(tmp_path):
   assert [r["step"] for r in rows if "loss" in r] == [1]  # written once: process 0 only
   assert (tmp_path / "multi" / "checkpoints" / "1" / "state").is_dir()
   assert (tmp_path / "multi" / "eval.json").exists()
+
+
+OWN_TEACHER = ["distill.teacher={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}",
+               "distill.devices=4"]
+
+
+def test_a_model_of_its_own_takes_its_devices_alike_from_every_host():
+  import types
+
+  from conftest import tiny_config
+  from reasoner.build import split_devices
+  from reasoner.config import ConfigError
+
+  devices = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # 2 x 4
+  cfg = tiny_config(*OWN_TEACHER)
+  split = split_devices(cfg, devices, teacher=True)
+  assert [d.id for d in split.policy] == [0, 1, 4, 5]
+  assert [d.id for d in split.teacher] == [2, 3, 6, 7] and split.judge is None
+  one_host = split_devices(cfg, devices[:4] + [types.SimpleNamespace(id=i, process_index=0)
+                                               for i in range(4, 8)], teacher=True)
+  assert [d.id for d in one_host.teacher] == [4, 5, 6, 7]  # one host: the last four
+  with pytest.raises(ConfigError, match=r"^config key 'distill.devices' = 3: this run spans 2 "
+                                        r"hosts \(processes\), .* a multiple of 2$"):
+    split_devices(tiny_config(*OWN_TEACHER, "distill.devices=3"), devices, teacher=True)
+
+
+@pytest.mark.slow
+def test_a_teacher_across_two_hosts_distils_as_on_one(tmp_path):
+  """Distillation with a teacher of its own on 4 of 8 devices: on 2 processes x 4 it takes 2
+  devices of each host; the losses equal one process's, whose teacher has the last 4."""
+  ckpt = tmp_path / "download"
+  write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
+  port = str(_free_port())  # the teacher: the first layer of the policy's checkpoint
+  teacher = (f"distill.teacher={{source: kaggle, name: tiny, path: '{ckpt}', tokenizer: auto, "
+             "layers: 1}")
+  env = {"WORKER_OVERRIDES": json.dumps([teacher, "distill.devices=4"]),
+         "WORKER_STAGE": "distill"}
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt), "2"], 4, **env)
+           for i in range(2)]
+  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), "2"], 8, **env))
+  try:
+    p0, p1, single = (_result(p) for p in procs)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert p0["losses"] == p1["losses"] and len(p0["losses"]) == 2 and any(p0["losses"])
+  assert p0["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+  assert p0["lora_norm"] == pytest.approx(single["lora_norm"], rel=1e-4)
+
+
+WHOLE = ["rollout.layout=tp2", "mesh.weights=replicated", "train.checkpoint_every=1"]
+
+
+@pytest.mark.slow
+def test_the_whole_loop_on_four_processes_agrees_with_one(tmp_path):
+  """4 processes x 2 devices: train 2 steps decoding in a tp2 layout with the weights whole on
+  every chip, a held-out evaluation, then a resumed third step, then an export (orbax and
+  safetensors) written from every host: the same losses, evaluation and exported tensors as
+  one process of 8 devices."""
+  from safetensors.numpy import load_file
+
+  ckpt = tmp_path / "download"
+  write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
+  port, env = str(_free_port()), {"WORKER_OVERRIDES": json.dumps(WHOLE),
+                                  "WORKER_THEN": "resume,export"}
+  procs = [_spawn([port, str(i), "4", str(tmp_path), "multi", str(ckpt), "2"], 2, **env)
+           for i in range(4)]
+  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), "2"], 8, **env))
+  try:
+    *multi, single = (_result(p) for p in procs)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [m["process"] for m in multi] == [0, 1, 2, 3]
+  assert all(m["local_devices"] == 2 and m["devices"] == 8 for m in multi)
+  assert all(m["losses"] == multi[0]["losses"] for m in multi) and len(single["losses"]) == 3
+  assert multi[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+  assert multi[0]["lora_norm"] == pytest.approx(single["lora_norm"], rel=1e-4)
+  evals = [json.loads((tmp_path / n / "eval.json").read_text()) for n in ("multi", "single")]
+  assert evals[0]["after"]["mean_reward"] == pytest.approx(evals[1]["after"]["mean_reward"])
+  assert sorted(p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()
+                if p.name.isdigit())[-1] == "3"
+  a, b = (load_file(str(tmp_path / f"{n}_export" / "model.safetensors"))
+          for n in ("multi", "single"))
+  assert a.keys() == b.keys() and len(a) > 0
+  for k in a:
+    np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), rtol=1e-5,
+                               atol=1e-6, err_msg=k)
 
 
 @pytest.mark.slow
@@ -183,13 +276,22 @@ def _worker(port: str, pid: str, nproc: str, run_dir: str, name: str, ckpt: str,
       "model.source=kaggle", f"model.path={ckpt}", "model.tokenizer=auto",
       *json.loads(os.environ.get("WORKER_OVERRIDES", "[]"))])
   try:
-    loop.train(cfg)
+    loop.train(cfg, stage=os.environ.get("WORKER_STAGE", "grpo"))
   except loop.Interrupted as e:
     print(f"STOPPED {loop_step(e)}", flush=True)
     sys.exit(e.code)
   except RewardTimeout as e:
     print(f"TIMEOUT {e}", flush=True)
     sys.exit(2)
+  then = os.environ.get("WORKER_THEN", "")
+  if "resume" in then:  # one more step, resumed from the last checkpoint
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=int(steps) + 1))
+    loop.train(cfg, stage=os.environ.get("WORKER_STAGE", "grpo"))
+  if "export" in then:
+    from reasoner import export
+
+    export.export(cfg, pathlib.Path(run_dir) / f"{name}_export", formats=("orbax",
+                                                                          "safetensors"))
   lora = multihost_utils.process_allgather(states[-1].lora, tiled=True)
   norm = float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(lora))))
   print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),
