@@ -194,19 +194,10 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, tuple], params: dic
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name in sorted(shapes):
       p, fn = tensors[name]
-      host = np.asarray(fn(_gathered(params[p])))
+      host = np.asarray(fn(mesh_lib.to_host(params[p])))
       if writing:
         f.write(np.ascontiguousarray(host).tobytes())
       del host
-
-
-def _gathered(x: jax.Array) -> np.ndarray:
-  """One parameter whole on the host (every process takes part in the gather)."""
-  from jax.experimental import multihost_utils
-
-  if x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # ------------------------------------------------------------------------------ the command

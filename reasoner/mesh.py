@@ -275,6 +275,14 @@ def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.map(place, tree)
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole array on this host; on several hosts, gathered from all processes (every
+  process takes part)."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def array_from_host(shape: tuple[int, ...], sharding: NamedSharding,
                     read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
   """Builds a global array shard by shard: `read(index)` returns only that shard's block.

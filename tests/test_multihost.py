@@ -115,6 +115,38 @@ def test_a_teacher_across_two_hosts_distils_as_on_one(tmp_path):
   assert p0["lora_norm"] == pytest.approx(single["lora_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_judge_across_two_hosts_scores_as_on_one(tmp_path):
+  """A rubric judge of its own on 4 of 8 devices (2 of each of 2 hosts) grades the general
+  records of data/mixed.jsonl: the losses and evaluation equal one process's."""
+  from test_judge import MIXED, RUBRIC
+
+  ckpt = tmp_path / "download"
+  write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
+  port = str(_free_port())
+  judge = f"judge.model={{source: kaggle, name: tiny, path: '{ckpt}', tokenizer: auto, layers: 1}}"
+  env = {"WORKER_OVERRIDES": json.dumps([*MIXED, judge, "judge.devices=4",
+                                         f"judge.rubric={json.dumps(RUBRIC)}"])}
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt), "2"], 4, **env)
+           for i in range(2)]
+  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), "2"], 8, **env))
+  try:
+    p0, p1, single = (_result(p) for p in procs)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert p0["losses"] == p1["losses"] and len(p0["losses"]) == 2
+  assert p0["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+  graded = [[r["reward/judge"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").open())
+             if "reward/judge" in r] for n in ("multi", "single")]
+  assert len(graded[0]) == 2 and min(graded[0]) > 0  # the judge graded both steps' rows
+  assert graded[0] == pytest.approx(graded[1], rel=1e-5)
+  evals = [json.loads((tmp_path / n / "eval.json").read_text()) for n in ("multi", "single")]
+  assert evals[0]["after"]["mean_reward"] > 0
+  assert evals[0]["after"]["mean_reward"] == pytest.approx(evals[1]["after"]["mean_reward"])
+
+
 WHOLE = ["rollout.layout=tp2", "mesh.weights=replicated", "train.checkpoint_every=1"]
 
 

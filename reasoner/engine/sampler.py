@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
@@ -413,13 +412,7 @@ class Sampler:
     out = self.generate(self.in_layout(states), mesh_lib.put_batch(self.mesh, toks),
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
-    tokens, valid, logps, stopped = (to_host(x)[:rows] for x in out)
+    tokens, valid, logps, stopped = (mesh_lib.to_host(x)[:rows] for x in out)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
     return Completions(tokens, valid, logps, texts, stopped), prompt_toks, prompt_mask
 
-
-def to_host(x: jax.Array) -> np.ndarray:
-  """The whole array on this host; on several hosts, gathered from all processes."""
-  if x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -22,7 +22,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, MeshConfig
 from reasoner.engine import heads, manifest, topk as topk_lib
 from reasoner.engine.checkpoint import find_checkpoints, read_newest
-from reasoner.engine.sampler import logprob_temperature, to_host
+from reasoner.engine.sampler import logprob_temperature
 from reasoner.engine.trainer import Trainer, checkpoint_tree, completion_logprobs
 from reasoner.models import load
 from reasoner.models.prompt import completion_hidden
@@ -122,7 +122,7 @@ class Teacher:
                mask: np.ndarray) -> np.ndarray:
     """[R, N] float32 on the host, 0 where `mask` is False."""
     put = lambda a: mesh_lib.put_batch(self.mesh, a)
-    out = to_host(self._fwd(self.params, put(prompt), put(prompt_valid), put(completion),
+    out = mesh_lib.to_host(self._fwd(self.params, put(prompt), put(prompt_valid), put(completion),
                             put(mask)))
     return np.where(mask, out, 0.0).astype(np.float32)
 
@@ -133,8 +133,8 @@ class Teacher:
     put = lambda a: mesh_lib.put_batch(self.mesh, a)
     logp, logq, ids = self._top(self.params, put(prompt), put(prompt_valid), put(completion),
                                 put(mask), k)
-    return (np.where(mask, to_host(logp), 0.0).astype(np.float32),
-            to_host(logq).astype(np.float32), to_host(ids).astype(np.int32))
+    return (np.where(mask, mesh_lib.to_host(logp), 0.0).astype(np.float32),
+            mesh_lib.to_host(logq).astype(np.float32), mesh_lib.to_host(ids).astype(np.int32))
 
 
 def _teacher_lora(setup):

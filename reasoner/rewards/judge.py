@@ -213,7 +213,7 @@ class Judge:
         tokens[i, width - len(x):], valid[i, width - len(x):] = x, True
       valid[len(ids):, -1] = True  # filler rows (one token each) keep the batch's shape
       put = lambda a: mesh_lib.put_batch(self.mesh, a)
-      out.append(np.asarray(self._probs(self.params, put(tokens), put(valid), grades))[
+      out.append(mesh_lib.to_host(self._probs(self.params, put(tokens), put(valid), grades))[
           :len(ids)])
     return np.concatenate(out) if out else np.zeros((0, len(grades)), np.float32)
 
