@@ -42,12 +42,16 @@ def _result(proc: subprocess.Popen) -> dict:
   return _result_of(proc, out)
 
 
-def test_two_processes_agree_with_one(tmp_path):
+@pytest.mark.parametrize("layout", ["train", "tp4"])
+def test_two_processes_agree_with_one(tmp_path, layout):
+  """2 processes x 4 devices against one of 8, decoding on the training layout or in tp4 (a tp
+  group of each host's four devices)."""
   ckpt = tmp_path / "download"
   write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
-  port = str(_free_port())
-  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt)], 4) for i in range(2)]
-  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt)], 8))
+  port, env = str(_free_port()), {"WORKER_OVERRIDES": json.dumps([f"rollout.layout={layout}"])}
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt)], 4, **env)
+           for i in range(2)]
+  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt)], 8, **env))
   try:
     p0, p1, single = (_result(p) for p in procs)
   finally:

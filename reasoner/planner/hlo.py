@@ -332,17 +332,15 @@ def sum_costs(costs) -> Cost:
 
 
 def analyse(text: str, ridge: float = 0.0) -> Cost:
-  """FLOPs, HBM bytes and collectives of a compiled HLO module, every loop body counted once
-  per trip, a conditional at its costliest branch. Collectives are counted where they run,
-  fusions included (TPU wraps asynchronous ones in fusions); each `-start`/`-done` pair once.
-  Also the kernels launched and, by `ridge` (the chip's FLOPs a byte of HBM), the sum of each
-  kernel's own bound (`Cost.serial_*`): a GPU's time, where kernels run one after another."""
+  """FLOPs, HBM bytes, collectives (where they run, fusions included: TPU wraps asynchronous
+  ones in fusions; a `-start`/`-done` pair once) and kernels of a compiled HLO module, loop
+  bodies once per trip, a conditional at its costliest branch; by `ridge` (FLOPs a byte), each
+  kernel's own bound summed (`Cost.serial_*`: a GPU's time, kernels one after another)."""
   comps, entry = parse_hlo(text)
   memo: dict[tuple[str, bool], Cost] = {}
 
   def walk(name: str, top: bool) -> Cost:
-    """`top`: ops of a computation that runs on its own (entry, loop body, branch), whose
-    operands and results are buffers; else a fusion's body (FLOPs and collectives only)."""
+    """`top`: a computation run on its own (its ops read and write buffers), else a fusion's."""
     if (name, top) in memo:
       return memo[(name, top)]
     comp, total = comps.get(name, {}), Cost()
