@@ -9,7 +9,7 @@ BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
 
-.PHONY: setup train sft prefer distill general eval sample test bench notebook rehearse soak clean
+.PHONY: setup train sft prefer distill general eval sample test multihost bench notebook rehearse soak clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,11 @@ sample: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(ARGS)
+
+# The whole loop on 4 processes x 2 devices (a decode layout, resume, export), a teacher and a
+# judge across two hosts, each against one process of 8 devices (about 8 minutes).
+multihost: $(STAMP)
+	$(PY) -m pytest tests/test_multihost.py -m multihost $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)

@@ -1,5 +1,7 @@
-"""Two JAX processes on this machine (4 CPU devices each, one global mesh of 8): Kaggle load and
-one GRPO step of the tiny config, checked against the same run in one process of 8 devices.
+"""JAX processes on this machine (2 x 4 and 4 x 2 CPU devices, one global mesh of 8): Kaggle load
+and GRPO steps of the tiny config, checked against the same run in one process of 8 devices. The
+whole loop (a decode layout, resume, export), a teacher and a judge across hosts are marked
+`multihost`: `make multihost` runs them, `make test` leaves them out.
 
 Each process runs `python -m reasoner`'s `loop.train` in full: restore from a tiny Kaggle-layout
 checkpoint, rollout, train step, orbax checkpoint, held-out eval, metrics (process 0 only).
@@ -42,7 +44,7 @@ def _result(proc: subprocess.Popen) -> dict:
   return _result_of(proc, out)
 
 
-@pytest.mark.parametrize("layout", ["train", "tp4"])
+@pytest.mark.parametrize("layout", ["train", pytest.param("tp4", marks=pytest.mark.multihost)])
 def test_two_processes_agree_with_one(tmp_path, layout):
   """2 processes x 4 devices against one of 8, decoding on the training layout or in tp4 (a tp
   group of each host's four devices)."""
@@ -94,7 +96,7 @@ def test_a_model_of_its_own_takes_its_devices_alike_from_every_host():
     split_devices(tiny_config(*OWN_TEACHER, "distill.devices=3"), devices, teacher=True)
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 def test_a_teacher_across_two_hosts_distils_as_on_one(tmp_path):
   """Distillation with a teacher of its own on 4 of 8 devices: on 2 processes x 4 it takes 2
   devices of each host; the losses equal one process's, whose teacher has the last 4."""
@@ -119,7 +121,7 @@ def test_a_teacher_across_two_hosts_distils_as_on_one(tmp_path):
   assert p0["lora_norm"] == pytest.approx(single["lora_norm"], rel=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 def test_a_judge_across_two_hosts_scores_as_on_one(tmp_path):
   """A rubric judge of its own on 4 of 8 devices (2 of each of 2 hosts) grades the general
   records of data/mixed.jsonl: the losses and evaluation equal one process's."""
@@ -154,7 +156,7 @@ def test_a_judge_across_two_hosts_scores_as_on_one(tmp_path):
 WHOLE = ["rollout.layout=tp2", "mesh.weights=replicated", "train.checkpoint_every=1"]
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 def test_the_whole_loop_on_four_processes_agrees_with_one(tmp_path):
   """4 processes x 2 devices: train 2 steps decoding in a tp2 layout with the weights whole on
   every chip, a held-out evaluation, then a resumed third step, then an export (orbax and
