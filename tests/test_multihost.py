@@ -44,22 +44,28 @@ def _result(proc: subprocess.Popen) -> dict:
   return _result_of(proc, out)
 
 
+def _two_and_one(tmp_path, ckpt, steps: str = "1", **env: str) -> tuple[dict, dict, dict]:
+  """The run as 2 processes of 4 devices ("multi") and as 1 of 8 ("single"): their results."""
+  port = str(_free_port())
+  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt), steps], 4, **env)
+           for i in range(2)]
+  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), steps], 8, **env))
+  try:
+    return tuple(_result(p) for p in procs)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
 @pytest.mark.parametrize("layout", ["train", pytest.param("tp4", marks=pytest.mark.multihost)])
 def test_two_processes_agree_with_one(tmp_path, layout):
   """2 processes x 4 devices against one of 8, decoding on the training layout or in tp4 (a tp
   group of each host's four devices)."""
   ckpt = tmp_path / "download"
   write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
-  port, env = str(_free_port()), {"WORKER_OVERRIDES": json.dumps([f"rollout.layout={layout}"])}
-  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt)], 4, **env)
-           for i in range(2)]
-  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt)], 8, **env))
-  try:
-    p0, p1, single = (_result(p) for p in procs)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  p0, p1, single = _two_and_one(tmp_path, ckpt, WORKER_OVERRIDES=json.dumps(
+      [f"rollout.layout={layout}"]))
   assert (p0["process"], p1["process"]) == (0, 1)
   assert p0["devices"] == p1["devices"] == single["devices"] == 8
   assert p0["local_devices"] == p1["local_devices"] == 4
@@ -102,20 +108,10 @@ def test_a_teacher_across_two_hosts_distils_as_on_one(tmp_path):
   devices of each host; the losses equal one process's, whose teacher has the last 4."""
   ckpt = tmp_path / "download"
   write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
-  port = str(_free_port())  # the teacher: the first layer of the policy's checkpoint
   teacher = (f"distill.teacher={{source: kaggle, name: tiny, path: '{ckpt}', tokenizer: auto, "
-             "layers: 1}")
-  env = {"WORKER_OVERRIDES": json.dumps([teacher, "distill.devices=4"]),
-         "WORKER_STAGE": "distill"}
-  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt), "2"], 4, **env)
-           for i in range(2)]
-  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), "2"], 8, **env))
-  try:
-    p0, p1, single = (_result(p) for p in procs)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+             "layers: 1}")  # the first layer of the policy's checkpoint
+  p0, p1, single = _two_and_one(tmp_path, ckpt, "2", WORKER_STAGE="distill",
+                                WORKER_OVERRIDES=json.dumps([teacher, "distill.devices=4"]))
   assert p0["losses"] == p1["losses"] and len(p0["losses"]) == 2 and any(p0["losses"])
   assert p0["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
   assert p0["lora_norm"] == pytest.approx(single["lora_norm"], rel=1e-4)
@@ -129,19 +125,9 @@ def test_a_judge_across_two_hosts_scores_as_on_one(tmp_path):
 
   ckpt = tmp_path / "download"
   write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
-  port = str(_free_port())
   judge = f"judge.model={{source: kaggle, name: tiny, path: '{ckpt}', tokenizer: auto, layers: 1}}"
-  env = {"WORKER_OVERRIDES": json.dumps([*MIXED, judge, "judge.devices=4",
-                                         f"judge.rubric={json.dumps(RUBRIC)}"])}
-  procs = [_spawn([port, str(i), "2", str(tmp_path), "multi", str(ckpt), "2"], 4, **env)
-           for i in range(2)]
-  procs.append(_spawn(["0", "0", "1", str(tmp_path), "single", str(ckpt), "2"], 8, **env))
-  try:
-    p0, p1, single = (_result(p) for p in procs)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  p0, p1, single = _two_and_one(tmp_path, ckpt, "2", WORKER_OVERRIDES=json.dumps(
+      [*MIXED, judge, "judge.devices=4", f"judge.rubric={json.dumps(RUBRIC)}"]))
   assert p0["losses"] == p1["losses"] and len(p0["losses"]) == 2
   assert p0["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
   graded = [[r["reward/judge"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").open())
