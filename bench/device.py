@@ -121,9 +121,7 @@ def planned(result: dict, folder: pathlib.Path) -> dict:
   from reasoner.planner.plan import StepPlan, step_seconds
 
   m = result["measured"]
-  kind = next(v for k, v in chips.KINDS.items() if k in m["device_kind"].lower())
-  chip = chips.CHIPS[kind] if not m.get("hbm") else chips.dataclasses.replace(
-      chips.CHIPS[kind], hbm=int(m["hbm"]))
+  chip = chips.chip_of(m["device_kind"], m.get("hbm"))
   cfg = load_config(ROOT / result["config"], result["overrides"])
   out, report = {}, {"cfg": cfg, "chip": chip}
   forwards = cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1  # the step's log-prob forwards

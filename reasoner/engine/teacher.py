@@ -122,8 +122,8 @@ class Teacher:
                mask: np.ndarray) -> np.ndarray:
     """[R, N] float32 on the host, 0 where `mask` is False."""
     put = lambda a: mesh_lib.put_batch(self.mesh, a)
-    out = mesh_lib.to_host(self._fwd(self.params, put(prompt), put(prompt_valid), put(completion),
-                            put(mask)))
+    out = mesh_lib.to_host(self._fwd(self.params, put(prompt), put(prompt_valid),
+                                     put(completion), put(mask)))
     return np.where(mask, out, 0.0).astype(np.float32)
 
   def topk(self, prompt: np.ndarray, prompt_valid: np.ndarray, completion: np.ndarray,

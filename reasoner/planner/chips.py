@@ -48,16 +48,21 @@ KINDS = {"tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5p": "v5p", "tpu v5": "v5
          "tpu v6 lite": "v6e", "tpu v6e": "v6e", "tpu v4": "v4", "h100": "h100", "h200": "h200"}
 
 
-def local_chip(device) -> Chip | None:
-  """The chip table of a local jax device (its HBM the device's own limit where it reports
-  one), or None for a kind without one (a CPU, an unknown accelerator)."""
-  kind = device.device_kind.lower()
+def chip_of(device_kind: str, hbm: int | None = None) -> Chip | None:
+  """The chip table of a jax `device_kind` (its HBM `hbm` where given: the device's own
+  limit), or None for a kind without one."""
+  kind = device_kind.lower()
   key = next((v for k, v in KINDS.items() if k in kind), None)
-  if key is None or device.platform == "cpu":
+  if key is None:
     return None
-  stats = device.memory_stats() or {}
-  limit = stats.get("bytes_limit")
-  return dataclasses.replace(CHIPS[key], hbm=int(limit)) if limit else CHIPS[key]
+  return dataclasses.replace(CHIPS[key], hbm=int(hbm)) if hbm else CHIPS[key]
+
+
+def local_chip(device) -> Chip | None:
+  """`chip_of` a local jax device, or None for a CPU or an unknown accelerator."""
+  if device.platform == "cpu":
+    return None
+  return chip_of(device.device_kind, (device.memory_stats() or {}).get("bytes_limit"))
 
 
 def collective_seconds(c: Collective, chip: Chip) -> float:
