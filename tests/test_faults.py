@@ -39,18 +39,25 @@ def _rows(run):
 
 
 def _signalled(run_dir, name, sig, times=1):
-  """Starts a run, sends `sig` once it has logged two steps, returns (exit code, stderr)."""
+  """Starts a run, sends `sig` once it has logged two steps, returns (exit code, stderr). A
+  second signal goes once the first's "finishing the step in flight" line is read: sent on a
+  clock, it could land after the tiny run had saved and left its handler."""
   proc = subprocess.Popen(_cmd(run_dir, name), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 600
   while len(_rows(run_dir / name)) < 2 and time.time() < deadline and proc.poll() is None:
     time.sleep(0.05)
   assert proc.poll() is None, "the run ended before it could be signalled"
-  for _ in range(times):
-    proc.send_signal(sig)
-    time.sleep(0.05)
+  proc.send_signal(sig)
+  seen = []
+  if times == 2:
+    for line in proc.stderr:  # stderr is piped: read past the first line, keep what was read
+      seen.append(line)
+      if "finishing the step in flight" in line:
+        proc.send_signal(sig)
+        break
   _, err = proc.communicate(timeout=600)
-  return proc.returncode, err
+  return proc.returncode, "".join(seen) + err
 
 
 def _state(run, step):
