@@ -29,13 +29,14 @@ log = logging.getLogger("reasoner")
 
 @dataclasses.dataclass(frozen=True)
 class Devices:
-  """The run's devices: the policy's, and those of a judge or a teacher of its own
-  (`judge.devices`, the last N; `distill.devices`, the N before them), or None where it shares
-  the policy's."""
+  """The run's devices: the policy's (its training), and those of a judge, a teacher or the
+  rollout of its own (`judge.devices`, the last N; `distill.devices`, the N before them;
+  `rollout.devices`, the N before those), or None where it shares the policy's."""
 
   policy: list
   judge: list | None = None
   teacher: list | None = None
+  rollout: list | None = None
 
 
 @dataclasses.dataclass
@@ -148,43 +149,53 @@ def taught(cfg: Config) -> bool:
 
 def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> Devices:
   """The policy's devices and, with `judge.devices: N`, the judge's: the last N; with a
-  `teacher` on `distill.devices: M`, the teacher's: the M before them. On several hosts each
-  host gives alike (`_split_per_host`)."""
+  `teacher` on `distill.devices: M`, the teacher's: the M before them; with `rollout.devices:
+  R`, the rollout's: the R before those. On several hosts each host gives alike
+  (`_split_per_host`; the rollout's on one host only)."""
   devices = list(jax.devices() if devices is None else devices)
   j = (cfg.judge.devices or 0) if judged(cfg) else 0
   t = (cfg.distill.devices or 0) if teacher and cfg.distill.teacher is not None else 0
-  if j + t and j + t >= len(devices):
-    key, value = ("judge.devices", j) if not t else ("distill.devices", t)
-    both = f" and judge.devices = {j}" if j and t else ""
-    raise ConfigError(f"config key '{key}' = {value}{both}: this run has {len(devices)} "
-                      f"devices, and the policy needs at least one (at most "
-                      f"{len(devices) - 1 - (j + t - value)})")
+  r = cfg.rollout.devices or 0
+  if j + t + r and j + t + r >= len(devices):
+    key, value = next((k, v) for k, v in (("distill.devices", t), ("rollout.devices", r),
+                                         ("judge.devices", j)) if v)
+    others = " and ".join(f"{k} = {v}" for k, v in (("judge.devices", j), ("distill.devices", t),
+                                                   ("rollout.devices", r)) if v and k != key)
+    raise ConfigError(f"config key '{key}' = {value}{' and ' + others if others else ''}: this "
+                      f"run has {len(devices)} devices, and the policy needs at least one (at "
+                      f"most {len(devices) - 1 - (j + t + r - value)})")
+  if r and jax.process_count() > 1:  # (a topology's compile-only devices plan on one)
+    raise ConfigError(f"config key 'rollout.devices' = {r}: this run spans "
+                      f"{jax.process_count()} hosts (processes), and rollouts on chips of their "
+                      "own run on one host")
   hosts = sorted({d.process_index for d in devices})
   if len(hosts) > 1 and j + t:  # several hosts: each gives every model its share
-    return _split_per_host(devices, hosts, j, t)
-  rest = len(devices) - j - t
+    return _split_per_host(devices, hosts, j, t, r)
+  rest = len(devices) - j - t - r
   return Devices(devices[:rest], devices[len(devices) - j:] if j else None,
-                 devices[rest:rest + t] if t else None)
+                 devices[rest + r:rest + r + t] if t else None,
+                 devices[rest:rest + r] if r else None)
 
 
-def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
-  """The judge's and the teacher's devices taken alike from every host (the last j / P of each
-  host's, the t / P before them), so that every process runs every model's programs on devices
-  of its own, as multi-controller JAX needs."""
+def _split_per_host(devices: list, hosts: list[int], j: int, t: int, r: int = 0) -> Devices:
+  """The judge's, the teacher's and the rollout's devices taken alike from every host (the last
+  j / P of each host's, the t / P before them, the r / P before those), so that every process
+  runs every model's programs on devices of its own, as multi-controller JAX needs."""
   n = len(hosts)
-  for key, value in (("judge.devices", j), ("distill.devices", t)):
+  for key, value in (("judge.devices", j), ("distill.devices", t), ("rollout.devices", r)):
     if value % n:
       raise ConfigError(f"config key '{key}' = {value}: this run spans {n} hosts (processes), "
                         f"and a model of its own takes the same number of devices from each: "
                         f"a multiple of {n}")
-  policy, judge, teacher = [], [], []
+  policy, judge, teacher, rollout = [], [], [], []
   for h in hosts:
     local = [d for d in devices if d.process_index == h]
-    rest = len(local) - (j + t) // n
+    rest = len(local) - (j + t + r) // n
     policy += local[:rest]
-    teacher += local[rest:rest + t // n]
-    judge += local[rest + t // n:]
-  return Devices(policy, judge or None, teacher or None)
+    rollout += local[rest:rest + r // n]
+    teacher += local[rest + r // n:rest + (r + t) // n]
+    judge += local[rest + (r + t) // n:]
+  return Devices(policy, judge or None, teacher or None, rollout or None)
 
 
 def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup:

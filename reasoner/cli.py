@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 
-from reasoner.config import load_config
+from reasoner.config import ConfigError, load_config
 from reasoner.errors import UserError, write_error
 from reasoner.planner import libtpu
 
@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
       c.add_argument("--no-search", dest="search", action="store_false",
                      help="only the configured batch, no search for the largest that fits")
       c.add_argument("--analytic", action="store_true", help="estimate; compile nothing")
+      c.add_argument("--ahead", action="store_true",
+                     help="also every split of the chips into rollout.devices and training, "
+                          "each compiled, and the fastest")
     if name == "export":
       c.add_argument("--out", required=True, help="a new (or empty) directory")
       c.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -95,9 +98,15 @@ def _run(args, cfg, argv: list[str]) -> None:
   elif args.command == "plan":
     from reasoner.planner import plan, report
 
-    found = plan.plan(cfg, args.topology, args.search, args.analytic,
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.ahead and args.analytic:
+      raise ConfigError("plan --ahead compiles every split of the chips: drop --analytic")
+    say = lambda s: print(s, file=sys.stderr, flush=True)
+    found = plan.plan(cfg, args.topology, args.search, args.analytic, log=say)
     print(report.format_report(found))
+    if args.ahead:
+      from reasoner.planner import ahead
+
+      print(ahead.format_pick(ahead.pick(cfg, args.topology, found["chips"], say)))
   elif args.command == "eval":
     from reasoner import evaluation
 

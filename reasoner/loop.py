@@ -20,6 +20,7 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 
 import jax
 from tqdm import tqdm
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
 from reasoner.engine import manifest, session
+from reasoner.engine.ahead import Ahead
 from reasoner.engine.checkpoint import (Checkpointer, find_checkpoints, load_reference,
                                         read_newest, save_reference)
 from reasoner.engine.metrics import MetricsWriter
@@ -72,6 +74,9 @@ class Run:
   def __init__(self, cfg: Config, command: str | None = None, stage: str = "grpo"):
     self.cfg, self.command, self.stage = cfg, command, stage
     kind = STAGES[stage]
+    if cfg.rollout.devices and kind.draw is None:
+      raise ConfigError(f"config key 'rollout.devices' = {cfg.rollout.devices}: the {stage} "
+                        "stage samples no rollouts (GRPO and distillation do)")
     deadline = session.parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
     self.clock = session.Clock(deadline, cfg.train.checkpoint_minutes)
     if self.clock.left() <= 0:
@@ -102,6 +107,10 @@ class Run:
     # Every process draws the same global batch of questions (a few KB of text); placement
     # (mesh.put_batch) gives each process's devices only their rows.
     self.data = kind.batches(self.setup, tqdm.write if jax.process_index() == 0 else None)
+    # with rollout.devices: the rollouts drawn a step ahead, and the LoRA the next one samples
+    # with as checkpointed
+    self.ahead: Ahead | None = None
+    self.behind = None
     self.state, self.start, origin = self._resume(state)
     self.setup.reference = self._reference(origin)
     self.step = self.start
@@ -208,32 +217,40 @@ class Run:
     bar = tqdm(range(self.start, cfg.train.steps), initial=self.start, total=cfg.train.steps,
                desc=self.stage.upper(), unit="step", disable=jax.process_index() != 0)
     step, saved = self.start, self.start
-    for step in bar:
-      # the data drawn before this step: a step dropped in flight saves it, not its own draws
-      drawn = copy.deepcopy(self.data.get_state())
-      sig = largest(received[0] if received else 0)  # every process stops at the same step
-      if sig and not received:
-        received.append(sig)
-      if sig or agreed(clock.stop_before_next_step(eval_after=True)):
-        break
-      try:
-        with clock.timed("step"):
-          state, metrics = self._step(state, step)
-      except RewardInterrupted:  # a signal while a reward scored: the step in flight is dropped
-        break
-      except RewardTimeout as e:
-        raise self._timed_out(e, step, saved, state, drawn) from None
-      self.writer.log(step + 1, metrics)
-      bar.set_postfix(_postfix(metrics))
-      done = step + 1 == cfg.train.steps
-      if (step + 1) % cfg.train.checkpoint_every == 0 or done or agreed(clock.save_due()):
-        self._save(step + 1, state)
-        saved = step + 1
-      if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
-        evaluate_all(self.setup, self.sampler, state.lora, f"step-{step + 1}", self.writer,
-                     step + 1)
-    else:
-      step = cfg.train.steps
+    self.ahead = ahead = self._ahead(state)
+    try:
+      for step in bar:
+        # the data drawn before this step's rollout: a step dropped in flight saves it, not its
+        # own draws (with a rollout ahead, as of before that rollout started)
+        drawn = copy.deepcopy(self.data.get_state()) if ahead is None else ahead.drawn
+        sig = largest(received[0] if received else 0)  # every process stops at the same step
+        if sig and not received:
+          received.append(sig)
+        if sig or agreed(clock.stop_before_next_step(eval_after=True)):
+          break
+        try:
+          with clock.timed("step"):
+            state, metrics = self._step(state, step, ahead)
+        except RewardInterrupted:  # a signal while a reward scored: the step in flight is dropped
+          break
+        except RewardTimeout as e:
+          raise self._timed_out(e, step, saved, state, drawn) from None
+        self.writer.log(step + 1, metrics)
+        bar.set_postfix(_postfix(metrics))
+        done = step + 1 == cfg.train.steps
+        if (step + 1) % cfg.train.checkpoint_every == 0 or done or agreed(clock.save_due()):
+          self._save(step + 1, state, None if ahead is None else ahead.drawn)
+          saved = step + 1
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and not done:
+          if ahead is not None:
+            ahead.settle()  # the same sampler and rewards
+          evaluate_all(self.setup, self.sampler, state.lora, f"step-{step + 1}", self.writer,
+                       step + 1)
+      else:
+        step = cfg.train.steps
+    finally:
+      if ahead is not None:
+        ahead.close()
     bar.close()
     if step != saved:  # stopped for the deadline or a signal after unsaved steps
       self._save(step, state, drawn)
@@ -258,15 +275,34 @@ class Run:
     say(f"LoRA from {folder / str(step)} (lora.init_from); step 0, a fresh optimizer")
     return state.replace(lora=tree["lora"])
 
-  def _step(self, state, step: int):
-    state, metrics = STAGES[self.stage].step(self.setup, self.sampler, self.trainer, state,
-                                             self.data, step)
+  def _step(self, state, step: int, ahead: Ahead | None = None):
+    kind = STAGES[self.stage]
+    if ahead is None:
+      state, metrics = kind.step(self.setup, self.sampler, self.trainer, state, self.data, step)
+    else:  # step + 1's rollout starts before this step's update
+      t0 = time.perf_counter()
+      drawn = ahead.take(step)
+      waited = time.perf_counter() - t0
+      ahead.start(step + 1, state.lora, run=step + 1 < self.cfg.train.steps)
+      state, metrics = kind.learn(self.setup, self.trainer, state, drawn, step)
+      metrics = grpo.timed({**metrics, "rollout_wait_s": waited}, time.perf_counter() - t0)
     metrics.update(self.setup.rewards.take_timeouts())
     if "rollout_s" in metrics:
       self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))
     if "samples" in metrics:
       self.writer.samples(step + 1, "rollout", metrics.pop("samples"))
     return state, metrics
+
+  def _ahead(self, state) -> Ahead | None:
+    """With `rollout.devices`: the rollouts drawn a step ahead, the first with the checkpoint's
+    LoRA (`behind`), else the state's."""
+    if not self.cfg.rollout.devices:
+      return None
+    kind, key = STAGES[self.stage], state.key
+    draw = lambda lora, step: kind.draw(self.setup, self.sampler, lora, self.data, step,
+                                        jax.random.fold_in(key, step))
+    return Ahead(draw, lambda lora: self.sampler.in_layout((lora,))[0], self.data,
+                 state.lora if self.behind is None else self.behind)
 
   def _check_source(self, folder: pathlib.Path) -> None:
     """train.resume_from's run (`folder`: its checkpoints) fits this one: checked once."""
@@ -288,9 +324,11 @@ class Run:
   def _save(self, step: int, state, drawn: dict | None = None) -> None:
     """Checkpoint `step`: the state and the data drawn so far (`drawn`: as of before a step
     dropped in flight)."""
+    tree = checkpoint_tree(state)
+    if self.ahead is not None:
+      tree["behind"] = self.ahead.behind
     with self.clock.timed("save"):
-      self.ckpt.save(step, checkpoint_tree(state),
-                     self.data.get_state() if drawn is None else drawn)
+      self.ckpt.save(step, tree, self.data.get_state() if drawn is None else drawn)
 
   def _stop_line(self) -> str:
     again = self.command or "the same command"
@@ -305,6 +343,8 @@ class Run:
     cfg = self.cfg
     say = tqdm.write if jax.process_index() == 0 else (lambda _: None)
     target = checkpoint_tree(state)
+    if cfg.rollout.devices:
+      target["behind"] = state.lora
     found, origin, folder = self.ckpt.restore_latest(target, say), None, self.ckpt.directory
     if found is not None and cfg.train.resume_from:
       say(f"train.resume_from ({cfg.train.resume_from}) is not used: this run has checkpoints "
@@ -321,6 +361,7 @@ class Run:
     if found is None:
       return state, 0, None
     start, tree, data_state = found
+    self.behind = tree.pop("behind", None)
     self.data.set_state(data_state)
     say(f"resumed from {folder / str(start)} "
         f"(step {start} of {cfg.train.steps})")

@@ -70,3 +70,25 @@ def test_bad_weights_value_is_one_line_naming_the_key():
 
   with pytest.raises(ConfigError, match="mesh.weights"):
     tiny_config("mesh.weights=whole")
+
+
+def test_the_replicated_decode_layout_shares_the_training_base(pair):
+  """Weights whole on every chip and decoding in the replicated layout: the sampler decodes
+  with the training's base arrays themselves (one copy, not two); tp2 needs a copy of its own,
+  and the planner counts the copy only there."""
+  from reasoner.engine.sampler import Sampler
+  from reasoner.planner import plan
+
+  setup = pair["replicated"]
+  sampler = Sampler.for_run(setup, "replicated")
+  kept = sampler.in_layout((setup.lora, setup.base))[1]
+  assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(setup.base)))
+  tp2 = Sampler.for_run(setup, "tp2").in_layout((setup.lora, setup.base))[1]
+  mlp = lambda tree: [x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                      if "mlp" in jax.tree_util.keystr(path)]
+  assert mlp(tp2) and not any(a is b for a, b in zip(mlp(tp2), mlp(setup.base)))  # split
+  cfg = tiny_config("mesh.weights=replicated", "data.max_prompt_tokens=64")
+  abstract = build(cfg, abstract=True)
+  chip = plan.target("cpu")[1]
+  assert plan.rollout_plan(abstract, 2, chip, "replicated").resident == 0
+  assert plan.rollout_plan(abstract, 2, chip, "tp2").resident > 0

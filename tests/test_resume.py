@@ -38,8 +38,13 @@ def _lora(run_dir, name, step):
   return out["lora"], out["opt_state"]
 
 
-@pytest.mark.parametrize("extra", [(), DYNAMIC, ("mesh.weights=replicated",)],
-                         ids=["default", "dynamic-sampling", "replicated-weights"])
+# A rollout drawn a step ahead on a chip of its own: a checkpoint keeps the LoRA it samples with
+# and the data's state before it, and the resumed run draws it again.
+AHEAD = ("rollout.devices=1", "grpo.sampler_is=token", *DYNAMIC)
+
+
+@pytest.mark.parametrize("extra", [(), DYNAMIC, ("mesh.weights=replicated",), AHEAD],
+                         ids=["default", "dynamic-sampling", "replicated-weights", "rollout-ahead"])
 def test_killed_run_resumes_to_the_same_parameters(tmp_path, extra):
   subprocess.run(_cmd(tmp_path, "full", extra), env=_env(), cwd=ROOT, check=True,
                  capture_output=True)
@@ -65,7 +70,9 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, extra):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert (tmp_path / "cut" / "eval.json").exists() and (tmp_path / "cut" / "reward.png").exists()
-  if extra == DYNAMIC:  # the refills happened, and the resumed run drew the same prompts
+  if extra == AHEAD:
+    assert (ckpt / str(STEPS) / "behind").is_dir()
+  if extra in (DYNAMIC, AHEAD):  # the refills happened, and the resumed run drew the same prompts
     rows = lambda name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")
                          if "groups_drawn" in line]
     full, cut = rows("full"), rows("cut")

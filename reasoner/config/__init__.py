@@ -67,6 +67,10 @@ class Config:
     if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
       _fail("grpo.overlong_buffer", self.grpo.overlong_buffer,
             f"at most rollout.max_new_tokens = {self.rollout.max_new_tokens}")
+    if self.rollout.devices and self.grpo.sampler_is != "token":
+      _fail("grpo.sampler_is", self.grpo.sampler_is,
+            f"'token' with rollout.devices = {self.rollout.devices}: rollouts drawn one update "
+            "ahead are corrected by truncated importance weights")
     buckets = self.rollout.prompt_buckets
     if buckets is not None and buckets[-1] < self.data.max_prompt_tokens:
       _fail("rollout.prompt_buckets", list(buckets),

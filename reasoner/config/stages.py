@@ -57,8 +57,15 @@ class RolloutConfig:
   # chips, rows over the rest), auto (the fastest layout whose weights take at most a quarter
   # of a chip's memory; train where that is unknown, as on the CPU).
   layout: str = "auto"
+  # Chips of the rollout's own, N (null: it shares the training chips and runs in turn): step
+  # t + 1's groups are sampled there with the LoRA before step t's update while the other chips
+  # train on step t's (one update stale, corrected by grpo.sampler_is: token); only the LoRA
+  # crosses between them each step. On one host; GRPO and distillation.
+  devices: int | None = None
 
   def __post_init__(self):
+    if self.devices is not None and self.devices < 1:
+      _fail("rollout.devices", self.devices, "a positive number of devices, or null")
     if not re.fullmatch(r"auto|train|replicated|tp[1-9]\d*", self.layout):
       _fail("rollout.layout", self.layout, "auto, train, replicated or tp<k> (e.g. tp2)")
     if self.vocab_chunk is not None and self.vocab_chunk < 1:

@@ -98,9 +98,11 @@ class Checkpointer:
     """Saves whole or not at all; a failed save (a full disk, a folder gone read-only) removes
     its partial folder and raises one line naming the space left and the last whole one."""
     try:
+      state, items = _items(state, ocp.args.StandardSave)
       with held_back():
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      data=ocp.args.JsonSave(data_state)))
+                                                      data=ocp.args.JsonSave(data_state),
+                                                      **items))
         self._mngr.wait_until_finished()
     except Exception as e:
       if jax.process_index() == 0:
@@ -118,15 +120,17 @@ class Checkpointer:
     and CheckpointDamaged when the files cannot be read."""
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    abstract, items = _items(abstract, ocp.args.StandardRestore)
+    items = {k: v for k, v in items.items() if (self.directory / str(step) / k).is_dir()}
     self._check_fits(step, abstract)
     try:
       out = self._mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+          state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(), **items))
     except Exception as e:  # orbax raises ValueError, OSError, XlaRuntimeError, ...
       # Only what the files did is damage; anything else (device memory, say) leaves it be.
       kind = CheckpointDamaged if _is_damage(e) else CheckpointError
       raise kind(f"{self.directory / str(step)} cannot be read: {first_line(e)}") from e
-    return out["state"], out["data"]
+    return {**out["state"], **{k: out[k] for k in items}}, out["data"]
 
   def restore_latest(self, target: Any, log=print) -> tuple[int, Any, dict] | None:
     """(step, state, data) of the newest checkpoint that reads, or None when there is none.
@@ -173,6 +177,18 @@ class Checkpointer:
 
   def close(self) -> None:
     self._mngr.close()
+
+
+# Parts of a state tree stored as items of their own, read back only where a checkpoint has
+# them: the LoRA a rollout ahead samples with (`engine.ahead`), so that runs with and without
+# `rollout.devices` resume from each other's checkpoints.
+OPTIONAL = ("behind",)
+
+
+def _items(tree: dict, arg) -> tuple[dict, dict]:
+  """(the tree without its OPTIONAL parts, {part: arg(subtree)})."""
+  return ({k: v for k, v in tree.items() if k not in OPTIONAL},
+          {k: arg(tree[k]) for k in OPTIONAL if k in tree})
 
 
 def _shapes(tree) -> dict[tuple[str, ...], tuple]:

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
-from reasoner.config import Config
+from reasoner.config import Config, MeshConfig
 from reasoner.engine import heads, topk
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
@@ -251,6 +251,21 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   return out.tokens, out.valid, out.logps, out.done
 
 
+def shared(state, shardings):
+  """`state` placed by `shardings`: each array that is already placed so (the training's whole
+  base in the replicated decode layout) is itself, not a copy; the others moved."""
+  return jax.tree.map(lambda x, s: x if x.sharding.is_equivalent_to(s, x.ndim)
+                      else jax.device_put(x, s), state, shardings)
+
+
+def on_own_chips(setup):
+  """`setup` with the rollout's own chips (`rollout.devices`) as its mesh, rows over them (as
+  the sampler and the planner's decode layout see them); `setup` where it has none."""
+  if setup.devices is None or setup.devices.rollout is None:
+    return setup
+  return dataclasses.replace(setup, mesh=mesh_lib.make_mesh(MeshConfig(), setup.devices.rollout))
+
+
 def default_buckets(max_prompt_tokens: int, smallest: int = 64) -> tuple[int, ...]:
   """Powers of two from `smallest`, ending at `max_prompt_tokens` itself: at most
   log2(max / smallest) + 1 prompt widths, so at most that many compiles per sampling config."""
@@ -295,13 +310,15 @@ class Sampler:
   parameters split Megatron-style over k chips (`mesh.decode_shardings`; Gemma 3's attention
   over each chip's own rows where 'tp' cannot split its KV heads, `over_rows`). There a state that
   never changes (the base weights) is copied into the layout once (`keep`, on device), and the
-  others (the LoRA weights, new each step) are moved at each call.
+  others (the LoRA weights, new each step) are moved at each call. `own`: `mesh` holds chips of
+  the rollout's own (`rollout.devices`), which keep their copy of the base in any layout ('train':
+  the parameters' rules on those chips).
   """
 
   def __init__(self, graphdef, states: tuple, tokenizer, mesh: Mesh, max_prompt_tokens: int,
-               buckets: Sequence[int] | None = None, layout: str = "train"):
+               buckets: Sequence[int] | None = None, layout: str = "train", own: bool = False):
     graphdef = gemma.without_remat(graphdef, *states)
-    self.layout = layout
+    self.layout, self.own = layout, own
     self.mesh = mesh_lib.decode_mesh(mesh, layout)
     # `generate(states, prompt, prompt_mask, key, cfg=, num_generations=)`: the rollout step
     # the planner compiles from `abstract_inputs`.
@@ -331,28 +348,35 @@ class Sampler:
     """The run's sampler (`setup`: a `build.Setup`), decoding in `layout` (default
     `rollout.layout`, auto resolved by `planner.layout.decode_layout`), its base weights kept
     in that layout."""
-    cfg = setup.cfg
+    cfg, own = setup.cfg, setup.devices is not None and setup.devices.rollout is not None
+    if own:
+      setup = on_own_chips(setup)
+      log.info("sampler: on %d devices of its own, a step ahead of training",
+               setup.mesh.size)
     layout = layout or decode_layout(setup)
     if layout != "train":
       log.info("sampler: decoding in the %s layout", layout)
     sampler = cls(setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh,
-                  cfg.data.max_prompt_tokens, cfg.rollout.prompt_buckets, layout)
+                  cfg.data.max_prompt_tokens, cfg.rollout.prompt_buckets, layout, own)
     sampler.keep(setup.base)
     return sampler
 
   def _shardings(self, state, mesh: Mesh | None = None):
+    if self.layout == "train":  # chips of its own: the parameters' rules there
+      return mesh_lib.shardings(state, mesh or self.mesh)
     return mesh_lib.decode_shardings(state, mesh or self.mesh, self.over_rows)
 
   def keep(self, state) -> None:
     """Copies `state`, which never changes (the base weights), into the decode layout once,
     resharded on device; `sample` then decodes with that copy whenever it is passed `state`.
     Nothing to do on the training layout or for abstract states (the planner)."""
-    if self.layout != "train" and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
-      self._kept.append((state, jax.device_put(state, self._shardings(state))))
+    if ((self.layout != "train" or self.own)
+        and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))):
+      self._kept.append((state, shared(state, self._shardings(state))))
 
   def in_layout(self, states: tuple) -> tuple:
     """`states` as decoding reads them: a kept state's copy, the others moved (the LoRA)."""
-    if self.layout == "train":
+    if self.layout == "train" and not self.own:
       return tuple(states)
     out = []
     for s in states:
@@ -360,14 +384,14 @@ class Sampler:
       if not kept:
         tree = jax.tree.structure(s)
         rules = self._rules.get(tree) or self._rules.setdefault(tree, self._shardings(s))
-      out.append(kept[0] if kept else jax.device_put(s, rules))
+      out.append(kept[0] if kept else shared(s, rules))
     return tuple(out)
 
   def abstract_inputs(self, states: tuple, prompts: int, g: int,
                       cfg: SamplingConfig) -> tuple[tuple, dict]:
     """(args, kwargs) of `generate` as `sample` calls it for `prompts` x `g` rows of the widest
     prompts, as placed ShapeDtypeStructs: `states` abstract, placed in the decode layout."""
-    if self.layout != "train":
+    if self.layout != "train" or self.own:
       states = tuple(mesh_lib.placed(s, self.mesh, self._shardings) for s in states)
     c, extra = prompt_layout(self.mesh, prompts, g)
     shape = (prompts * c + extra, bucket(self.max_prompt_tokens, self.buckets))
@@ -409,6 +433,8 @@ class Sampler:
       log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
                "(%d sampler shapes so far)", shape[0], width, g, cfg.max_new_tokens,
                len(self.compiled_shapes))
+    if self.own:  # the run's key lives on the training chips (one host: `rollout.devices`)
+      key = jax.device_put(key, mesh_lib.replicated(self.mesh))
     out = self.generate(self.in_layout(states), mesh_lib.put_batch(self.mesh, toks),
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations

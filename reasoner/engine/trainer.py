@@ -267,3 +267,9 @@ class Stage:
   # (cfg, records, where) -> None: the stage's rule for its records, before any model loads
   check_records: Callable[..., None] | None = None
   needs_teacher: bool = False  # distillation: `build(teacher=True)` loads the teacher
+  # `step` in two halves, for rollouts a step ahead on chips of their own (`engine.ahead`):
+  # draw(setup, sampler, lora, batches, step, key) -> drawn (host arrays and metrics, with
+  # "tokens"), learn(setup, trainer, state, drawn, step) -> (state, metrics); None where the
+  # stage samples nothing
+  draw: Callable[..., Any] | None = None
+  learn: Callable[..., tuple] | None = None

@@ -58,13 +58,11 @@ def soft_targets(logq: np.ndarray, ids: np.ndarray, mask: np.ndarray, coef: floa
   return {"soft_ids": ids.astype(np.int32), "soft_q": q.astype(np.float32)}
 
 
-def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: int):
-  """G samples of the next prompts by the student, the teacher's log-probs of their tokens, one
-  update on the per-token advantages: (state, metrics)."""
+def draw(setup, sampler, lora, data, step: int, key: jax.Array) -> tuple:
+  """G samples of the next prompts by the student (`lora`), the teacher's log-probs of their
+  tokens (and its top-k), the per-token advantages: (the rollout, soft targets, metrics)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  t0 = time.perf_counter()
-  groups = rollout_lib.sample_round(setup, sampler, state.lora, next(data),
-                                    jax.random.fold_in(state.key, step))
+  groups = rollout_lib.sample_round(setup, sampler, lora, next(data), key)
   curriculum = rollout_lib.observe(data, step, [groups])
   b = len(groups.records)
   chosen, trained = [(groups, i) for i in range(b)], [True] * b
@@ -87,17 +85,30 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
                          cfg.distill.reward_weight, cfg.grpo.scale_rewards,
                          1 if cfg.grpo.advantage_std == "sample" else 0)
   r = rollout_lib.Rollout(host, rewards, [groups], chosen, trained)
+  on = comps.mask
+  return r, adv, soft, {
+      **rollout_lib.metrics(r), **curriculum,
+      "distill/reverse_kl": float(((comps.logprobs - teacher) * on).sum() / on.sum()),
+      "distill/teacher_logp": float((teacher * on).sum() / on.sum()), **extra,
+      "teacher_s": teacher_s, "tokens": rollout_lib.tokens(r, g),
+      "samples": rollout_lib.samples(r, g)}
+
+
+def learn(setup, trainer: grpo.GRPOTrainer, state, drawn: tuple, step: int) -> tuple:
+  """One update (mu passes) on a drawn rollout's per-token advantages: (state, metrics)."""
+  r, adv, soft, metrics = drawn
   batch = grpo.batch_from_rollout(setup, trainer, state.lora, r, advantages=adv, **soft)
   state, step_metrics = grpo.passes(setup, trainer, state, batch, step)
-  step_metrics = {k: float(v) for k, v in step_metrics.items()}
-  on = comps.mask
-  dt = time.perf_counter() - t0
-  return state, {**rollout_lib.metrics(r), **step_metrics, **curriculum,
-                 "distill/reverse_kl": float(((comps.logprobs - teacher) * on).sum() / on.sum()),
-                 "distill/teacher_logp": float((teacher * on).sum() / on.sum()), **extra,
-                 "teacher_s": teacher_s, "step_time_s": dt,
-                 "tokens_per_s": rollout_lib.tokens(r, g) / dt,
-                 "samples": rollout_lib.samples(r, g)}
+  return state, {**metrics, **{k: float(v) for k, v in step_metrics.items()}}
+
+
+def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: int):
+  """G samples of the next prompts by the student, the teacher's log-probs of their tokens, one
+  update on the per-token advantages: (state, metrics)."""
+  t0 = time.perf_counter()
+  drawn = draw(setup, sampler, state.lora, data, step, jax.random.fold_in(state.key, step))
+  state, metrics = learn(setup, trainer, state, drawn, step)
+  return state, grpo.timed(metrics, time.perf_counter() - t0)
 
 
 def check(cfg, records: list[dict], where: str) -> None:
@@ -106,4 +117,4 @@ def check(cfg, records: list[dict], where: str) -> None:
 
 
 STAGE = Stage("distill", grpo.GRPOTrainer, grpo.STAGE.batches, distill_step, check,
-              needs_teacher=True)
+              needs_teacher=True, draw=draw, learn=learn)

@@ -320,19 +320,38 @@ def rollout(setup, sampler, trainer: GRPOTrainer, lora, records: list[dict], key
       "tokens": rollout_lib.tokens(r, g), "samples": rollout_lib.samples(r, g)}
 
 
-def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
-  """Rollout of the next batch of `data` (an iterator of record batches, drawn again by
-  dynamic sampling), then mu optimisation passes on it: (state, metrics)."""
-  t0 = time.perf_counter()
-  batch, metrics = rollout(setup, sampler, trainer, state.lora, next(data),
-                           jax.random.fold_in(state.key, step), draw=lambda: next(data),
-                           observe=lambda r: rollout_lib.observe(data, step, r.rounds))
+def draw(setup, sampler, lora, data, step: int, key: jax.Array) -> tuple:
+  """Step `step`'s groups: the next batch of `data` (drawn again by dynamic sampling) sampled
+  with `lora` and scored: (the rollout, its metrics on the host)."""
+  r = rollout_lib.draw(setup, sampler, lora, next(data), key, more=lambda: next(data))
+  g = setup.cfg.rollout.num_generations
+  return r, {**rollout_lib.metrics(r), **rollout_lib.observe(data, step, r.rounds),
+             "tokens": rollout_lib.tokens(r, g), "samples": rollout_lib.samples(r, g)}
+
+
+def learn(setup, trainer: GRPOTrainer, state, drawn: tuple, step: int) -> tuple:
+  """mu optimisation passes on a drawn rollout (`draw`'s), pi_old and the reference by the
+  current LoRA: (state, metrics)."""
+  r, metrics = drawn
+  batch = batch_from_rollout(setup, trainer, state.lora, r)
   state, step_metrics = passes(setup, trainer, state, batch, step)
-  dt = time.perf_counter() - t0
-  tokens = metrics.pop("tokens")  # counted on the host: the batch spans every process
-  metrics.update({k: float(v) for k, v in step_metrics.items()}, step_time_s=dt,
-                 tokens_per_s=float(tokens / dt))
-  return state, metrics
+  return state, {**metrics, **{k: float(v) for k, v in step_metrics.items()}}
+
+
+def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
+  """Rollout of the next batch of `data` with the live LoRA, then mu optimisation passes on it:
+  (state, metrics)."""
+  t0 = time.perf_counter()
+  drawn = draw(setup, sampler, state.lora, data, step, jax.random.fold_in(state.key, step))
+  state, metrics = learn(setup, trainer, state, drawn, step)
+  return state, timed(metrics, time.perf_counter() - t0)
+
+
+def timed(metrics: dict, seconds: float) -> dict:
+  """A step's metrics with its wall time and tokens a second (counted on the host: the batch
+  spans every process)."""
+  tokens = metrics.pop("tokens")
+  return {**metrics, "step_time_s": seconds, "tokens_per_s": float(tokens / seconds)}
 
 
 def passes(setup, trainer: GRPOTrainer, state, batch: Batch, step: int) -> tuple:
@@ -356,4 +375,4 @@ def _batches(setup, log=None):
                                 setup.cfg.train.seed, mixture=setup.cfg.data.mixture)
 
 
-STAGE = Stage("grpo", GRPOTrainer, _batches, grpo_step)
+STAGE = Stage("grpo", GRPOTrainer, _batches, grpo_step, draw=draw, learn=learn)

@@ -39,7 +39,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.build import build, judged, taught
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.engine import heads
-from reasoner.engine.sampler import Sampler, SamplingConfig
+from reasoner.engine.sampler import Sampler, SamplingConfig, on_own_chips
 from reasoner.engine.teacher import Teacher
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.load import spec_without_checkpoint
@@ -193,17 +193,31 @@ def judge_batches(report: dict[str, Any]) -> int:
   return -(-rows // cfg.judge.batch_size)
 
 
-def step_seconds(report: dict[str, Any], rollout: str = "rollout") -> float:
-  """A GRPO step's estimate: the rollout (`rollout`: which plan of it), the log-prob forwards
-  the objective needs (reference, old policy), the judge's batches, distillation's teacher and
-  the train step."""
+def sides(report: dict[str, Any], rollout: str = "rollout") -> dict[str, float]:
+  """A GRPO step's two halves in seconds: the rollout's (`rollout`: which plan of it; the
+  judge's batches and distillation's teacher, which score it) and the training's (the log-prob
+  forwards the objective needs, reference or old policy, and the train step); with
+  `rollout.devices`, the LoRA's move to the rollout's chips too ("transfer")."""
   cfg, chip = report["cfg"], report["chip"]
   forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
   ref, judge, teacher = report.get("logprobs"), report.get("judge"), report.get("teacher")
-  return (report[rollout].seconds(chip) + report["train"].seconds(chip)
-          + (forwards * ref.seconds(chip) if ref is not None else 0.0)
-          + (judge_batches(report) * judge.seconds(chip) if judge is not None else 0.0)
-          + (teacher.seconds(chip) if teacher is not None else 0.0))
+  out = {"rollout": report[rollout].seconds(chip)
+         + (judge_batches(report) * judge.seconds(chip) if judge is not None else 0.0)
+         + (teacher.seconds(chip) if teacher is not None else 0.0),
+         "train": report["train"].seconds(chip)
+         + (forwards * ref.seconds(chip) if ref is not None else 0.0)}
+  if "transfer" in report:
+    out["transfer"] = report["transfer"] / chip.ici
+  return out
+
+
+def step_seconds(report: dict[str, Any], rollout: str = "rollout") -> float:
+  """A GRPO step's estimate (`sides`): the two halves one after the other, or with rollouts a
+  step ahead on chips of their own (`rollout.devices`) the slower one plus the transfer."""
+  t = sides(report, rollout)
+  if "transfer" in t:
+    return max(t["rollout"], t["train"]) + t["transfer"]
+  return t["rollout"] + t["train"]
 
 
 def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> StepPlan:
@@ -223,7 +237,8 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   out.layout = sampler.layout
   if sampler.layout != "train":  # the base's copy in the decode layout, held through training
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-                       for x in jax.tree.leaves(args[0][-1]))
+                       for x, w in zip(jax.tree.leaves(args[0][-1]), jax.tree.leaves(setup.base))
+                       if not w.sharding.is_equivalent_to(x.sharding, len(x.shape)))
   return out
 
 
@@ -362,8 +377,10 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   shape = topology.partition(":")[2]
   n_dev = (len(devices) if devices is not None else
            math.prod(int(x) for x in shape.split("x")) if shape else len(jax.devices()))
+  chips = n_dev
   n_dev -= (cfg.judge.devices or 0) if judged(cfg) else 0  # the policy's share
   n_dev -= (cfg.distill.devices or 0) if cfg.distill.teacher is not None else 0
+  n_dev -= cfg.rollout.devices or 0
   fsdp, tp = mesh_lib.mesh_shape(cfg.mesh, n_dev)
   check_mesh(cfg, fsdp)
   g = cfg.rollout.num_generations
@@ -373,11 +390,12 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
     setup = build(cfg, abstract=True, devices=devices, teacher=taught(cfg))
-    layout = decode_layout(setup, None if topology == "cpu" else chip.hbm, chip)
+    layout = decode_layout(on_own_chips(setup), None if topology == "cpu" else chip.hbm, chip)
     measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
                "rollout": lambda u: rollout_plan(setup, u, chip, layout)}
   report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method, "cfg": cfg,
-                            "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {}}
+                            "mesh": {"fsdp": fsdp, "tp": tp}, "largest": {}, "tried": {},
+                            "chips": chips}
 
   def logged(what: str, u: int, *micro) -> StepPlan:
     log(f"  {what} step, {u} prompts x {g}"
@@ -388,6 +406,8 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
   if setup is not None:
     _beside(report, setup, chip, log)
+    if cfg.rollout.devices:  # the LoRA moves to the rollout's chips once a step
+      report["transfer"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.lora))
   if search:
     _search(report, logged, fsdp)
   return report

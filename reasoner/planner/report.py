@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from reasoner.planner.chips import SESSION, Chip, GiB, collective_seconds
-from reasoner.planner.plan import StepPlan, judge_batches, step_seconds
+from reasoner.planner.plan import StepPlan, judge_batches, sides, step_seconds
 
 
 def _row(r: StepPlan, chip: Chip) -> str:
@@ -87,6 +87,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"with train.micro_batch={r.micro if r.micro < r.prompts else 'null'} "
               f"({r.prompts // r.micro} pass{'es' if r.micro < r.prompts else ''} per step):",
               _row(r, chip)]
+  if "transfer" in report:  # rollouts a step ahead on chips of their own
+    t, step = sides(report), step_seconds(report)
+    lines.append(f"GRPO step (rollouts a step ahead on {report['cfg'].rollout.devices} chips of "
+                 f"their own, decoding in the {rollout.layout} layout): est. {step:.3g} s, the "
+                 f"slower of the rollout {t['rollout'] * 1e3:.1f} ms and the training "
+                 f"{t['train'] * 1e3:.1f} ms, plus the LoRA's move {t['transfer'] * 1e3:.2f} ms: "
+                 f"at most {int(SESSION // step) if step else 0} steps in a "
+                 f"{SESSION // 3600}-hour session")
+    return "\n".join(lines)
   for key, name in (("rollout", f"decoding in the {rollout.layout or 'configured'} layout"),
                     ("rollout_train", "decoding in the training layout")):
     if key in report:
