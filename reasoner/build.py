@@ -169,7 +169,7 @@ def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> D
                       f"{jax.process_count()} hosts (processes), and rollouts on chips of their "
                       "own run on one host")
   hosts = sorted({d.process_index for d in devices})
-  if len(hosts) > 1 and j + t:  # several hosts: each gives every model its share
+  if len(hosts) > 1 and j + t + r:  # several hosts: each gives every model its share
     return _split_per_host(devices, hosts, j, t, r)
   rest = len(devices) - j - t - r
   return Devices(devices[:rest], devices[len(devices) - j:] if j else None,

@@ -96,17 +96,16 @@ def _run(args, cfg, argv: list[str]) -> None:
 
     export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
   elif args.command == "plan":
-    from reasoner.planner import plan, report
+    from reasoner.planner import ahead, report
 
     if args.ahead and args.analytic:
       raise ConfigError("plan --ahead compiles every split of the chips: drop --analytic")
     say = lambda s: print(s, file=sys.stderr, flush=True)
-    found = plan.plan(cfg, args.topology, args.search, args.analytic, log=say)
+    found = ahead.plan_run(cfg, args.topology, args.search, args.analytic, log=say)
     print(report.format_report(found))
     if args.ahead:
-      from reasoner.planner import ahead
-
-      print(ahead.format_pick(ahead.pick(cfg, args.topology, found["chips"], say)))
+      print(ahead.format_pick(ahead.pick(cfg, args.topology, found["chips"], say,
+                                         known={cfg.rollout.devices: found})))
   elif args.command == "eval":
     from reasoner import evaluation
 

@@ -1,23 +1,28 @@
 """Rollouts a step ahead on chips of their own (`rollout.devices`): the overlapped loop equals
-a reference computed step by step with the LoRA one update behind (GRPO, and distillation with
-its teacher on chips of its own too), the split of the devices, and bad settings in one line.
+a reference computed step by step with the LoRA one update behind (GRPO; distillation with its
+teacher on chips of its own too; a judge scoring from the rollout's thread), the planner's
+split and step, the split of the devices, and bad settings in one line.
 Exact resume with a rollout in flight: tests/test_resume.py ("rollout-ahead")."""
 
 import copy
 import dataclasses
+import importlib.util
+import json
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import tiny_config
+from test_judge import MIXED, RUBRIC
 from reasoner import loop
 from reasoner.build import split_devices
 from reasoner.config import ConfigError
 from reasoner.engine.checkpoint import restore_lora
 
-AHEAD = ("grpo.sampler_is=token", "train.steps=3",
-         "train.checkpoint_every=3", "rewards=[{fn: 'parity_reward:parity'}]")
+AHEAD = ("grpo.sampler_is=token", "train.steps=3", "train.checkpoint_every=3")
+PARITY = "rewards=[{fn: 'parity_reward:parity'}]"  # groups that differ: updates that do
 TEACHER = ("distill.teacher={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}",
            "distill.devices=2", "rollout.devices=2")
 
@@ -38,7 +43,13 @@ def _by_hand(run, stale: bool):
   return state.lora
 
 
-@pytest.mark.parametrize("stage,extra", [("grpo", ("rollout.devices=4",)), ("distill", TEACHER)])
+# a judge of the policy's own weights on the training chips, called from the rollout's thread
+JUDGED = (*MIXED, f"judge.rubric={json.dumps(RUBRIC)}", "judge.batch_size=4", "rollout.devices=4")
+
+
+@pytest.mark.parametrize("stage,extra", [("grpo", (PARITY, "rollout.devices=4")),
+                                         ("distill", (PARITY, *TEACHER)),
+                                         ("grpo", JUDGED)], ids=["grpo", "distill", "judged"])
 def test_the_loop_ahead_equals_a_reference_drawn_one_update_behind(tmp_path, stage, extra):
   cfg = tiny_config(f"train.run_dir={tmp_path}", "train.run_name=ahead", *AHEAD, *extra)
   loop.train(cfg, stage=stage)
@@ -64,6 +75,9 @@ def test_the_rollouts_chips_and_bad_settings(monkeypatch):
   d = split_devices(cfg, jax.devices())
   assert [x.id for x in d.policy] == [0, 1, 2, 3, 4] and [x.id for x in d.rollout] == [5, 6, 7]
   assert d.judge is None and d.teacher is None
+  two = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # a v5e:2x4's
+  d = split_devices(tiny_config("rollout.devices=4", "grpo.sampler_is=token"), two)
+  assert [x.id for x in d.policy] == [0, 1, 4, 5] and [x.id for x in d.rollout] == [2, 3, 6, 7]
   with pytest.raises(ConfigError, match=r"config key 'grpo.sampler_is' = 'off': expected 'token' "
                                         r"with rollout.devices = 2: rollouts drawn one update"):
     tiny_config("rollout.devices=2")
@@ -109,3 +123,22 @@ def test_the_planner_compiles_each_side_on_its_own_chips_and_adds_the_slower():
   assert "in turn on the training chips" in text and "4 chips ahead" in text
   assert text.splitlines()[-1] == ("fastest: " + ("rollouts in turn (rollout.devices: null)"
                                                   if best is None else "rollout.devices: 4"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (the tpu extra)")
+def test_on_a_tpu_each_side_is_planned_on_a_slice_of_its_own():
+  """v5e:2x4 split 4 + 4: the rollout and the training each compiled for a v5e:2x2 (libtpu
+  lowers a program for a slice, not for any four chips of one); 2 + 6 is no pair of slices."""
+  from reasoner.planner import ahead, plan
+
+  cfg = tiny_config("train.batch_size=2", "data.max_prompt_tokens=64")
+  found = ahead.plan_run(ahead.with_devices(cfg, 4), "v5e:2x4", search=False)
+  quarter = plan.plan(cfg, "v5e:2x2", search=False)
+  assert found["chips"] == 8 and found["mesh"]["fsdp"] == 4 and found["cfg"].rollout.devices == 4
+  assert found["rollout"].seconds(found["chip"]) == quarter["rollout"].seconds(quarter["chip"])
+  assert found["train"].seconds(found["chip"]) == quarter["train"].seconds(quarter["chip"])
+  assert found["transfer"] == quarter["lora_bytes"] > 0
+  with pytest.raises(ConfigError, match=r"^config key 'rollout.devices' = 6: on v5e:2x4 the "
+                                        r"rollout's chips and the rest must each be a slice"):
+    ahead.plan_run(ahead.with_devices(cfg, 6), "v5e:2x4", search=False)

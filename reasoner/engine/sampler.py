@@ -254,8 +254,10 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
 def shared(state, shardings):
   """`state` placed by `shardings`: each array that is already placed so (the training's whole
   base in the replicated decode layout) is itself, not a copy; the others moved."""
-  return jax.tree.map(lambda x, s: x if x.sharding.is_equivalent_to(s, x.ndim)
-                      else jax.device_put(x, s), state, shardings)
+  def same(x, s) -> bool:  # on the same mesh (a program takes its arguments on one)
+    return getattr(x.sharding, "mesh", None) == s.mesh and x.sharding.is_equivalent_to(s, x.ndim)
+
+  return jax.tree.map(lambda x, s: x if same(x, s) else jax.device_put(x, s), state, shardings)
 
 
 def on_own_chips(setup):

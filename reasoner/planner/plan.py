@@ -238,7 +238,8 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   if sampler.layout != "train":  # the base's copy in the decode layout, held through training
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                        for x, w in zip(jax.tree.leaves(args[0][-1]), jax.tree.leaves(setup.base))
-                       if not w.sharding.is_equivalent_to(x.sharding, len(x.shape)))
+                       if w.sharding.mesh != x.sharding.mesh
+                       or not w.sharding.is_equivalent_to(x.sharding, len(x.shape)))
   return out
 
 
@@ -369,10 +370,11 @@ def _local() -> tuple[list[Any], Chip, str]:
 
 
 def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: bool = False,
-         log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+         log: Callable[[str], None] = lambda s: None, compare: bool = True) -> dict[str, Any]:
   """Per-chip plans of the configured train and rollout steps (and the log-prob forward, the
-  rollout on the training layout and the judge where the run has them) and, with `search`, the
-  largest train micro-batch and rollout batch that fit the chip (`_search`)."""
+  judge and the teacher where the run has them, and with `compare` the rollout on the training
+  layout) and, with `search`, the largest train micro-batch and rollout batch that fit the chip
+  (`_search`)."""
   devices, chip, method = target(topology, compile=not analytic)
   shape = topology.partition(":")[2]
   n_dev = (len(devices) if devices is not None else
@@ -405,15 +407,17 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   b, micro = cfg.train.batch_size, cfg.train.micro_batch
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
   if setup is not None:
-    _beside(report, setup, chip, log)
+    _beside(report, setup, chip, log, compare)
+    report["lora_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.lora))
     if cfg.rollout.devices:  # the LoRA moves to the rollout's chips once a step
-      report["transfer"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.lora))
+      report["transfer"] = report["lora_bytes"]
   if search:
     _search(report, logged, fsdp)
   return report
 
 
-def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None]) -> None:
+def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None],
+            compare: bool = True) -> None:
   """The programs a GRPO step runs beside its train step and rollout, compiled: the log-prob
   forward (reference or old policy), the rollout on the training layout where another decodes,
   one judge batch, and distillation's teacher."""
@@ -421,7 +425,7 @@ def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None
   if cfg.grpo.beta > 0 or cfg.grpo.num_iterations > 1:
     log(f"  log-prob forward, {b} prompts x {g} ...")
     report["logprobs"] = reference_plan(setup, b, chip)
-  if report["rollout"].layout != "train":
+  if compare and report["rollout"].layout != "train":
     log(f"  rollout step on the training layout, {b} prompts x {g} ...")
     report["rollout_train"] = rollout_plan(setup, b, chip, "train")
   if judged(cfg):
