@@ -169,33 +169,35 @@ def split_devices(cfg: Config, devices: list | None, teacher: bool = False) -> D
                       f"{jax.process_count()} hosts (processes), and rollouts on chips of their "
                       "own run on one host")
   hosts = sorted({d.process_index for d in devices})
-  if len(hosts) > 1 and j + t + r:  # several hosts: each gives every model its share
-    return _split_per_host(devices, hosts, j, t, r)
+  # several hosts at run time: each gives every model its share. A topology's compile-only
+  # devices (the planner, one process) keep whole slices: libtpu compiles for a slice, and
+  # aborts on chips taken from each of its hosts.
+  if len(hosts) > 1 and j + t and jax.process_count() > 1:
+    return _split_per_host(devices, hosts, j, t)
   rest = len(devices) - j - t - r
   return Devices(devices[:rest], devices[len(devices) - j:] if j else None,
                  devices[rest + r:rest + r + t] if t else None,
                  devices[rest:rest + r] if r else None)
 
 
-def _split_per_host(devices: list, hosts: list[int], j: int, t: int, r: int = 0) -> Devices:
-  """The judge's, the teacher's and the rollout's devices taken alike from every host (the last
-  j / P of each host's, the t / P before them, the r / P before those), so that every process
-  runs every model's programs on devices of its own, as multi-controller JAX needs."""
+def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
+  """The judge's and the teacher's devices taken alike from every host (the last j / P of each
+  host's, the t / P before them), so that every process runs every model's programs on devices
+  of its own, as multi-controller JAX needs."""
   n = len(hosts)
-  for key, value in (("judge.devices", j), ("distill.devices", t), ("rollout.devices", r)):
+  for key, value in (("judge.devices", j), ("distill.devices", t)):
     if value % n:
       raise ConfigError(f"config key '{key}' = {value}: this run spans {n} hosts (processes), "
                         f"and a model of its own takes the same number of devices from each: "
                         f"a multiple of {n}")
-  policy, judge, teacher, rollout = [], [], [], []
+  policy, judge, teacher = [], [], []
   for h in hosts:
     local = [d for d in devices if d.process_index == h]
-    rest = len(local) - (j + t + r) // n
+    rest = len(local) - (j + t) // n
     policy += local[:rest]
-    rollout += local[rest:rest + r // n]
-    teacher += local[rest + r // n:rest + (r + t) // n]
-    judge += local[rest + (r + t) // n:]
-  return Devices(policy, judge or None, teacher or None, rollout or None)
+    teacher += local[rest:rest + t // n]
+    judge += local[rest + t // n:]
+  return Devices(policy, judge or None, teacher or None)
 
 
 def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup:

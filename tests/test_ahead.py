@@ -1,6 +1,6 @@
 """Rollouts a step ahead on chips of their own (`rollout.devices`): the overlapped loop equals
-a reference computed step by step with the LoRA one update behind (GRPO; distillation with its
-teacher on chips of its own too; a judge scoring from the rollout's thread), the planner's
+a reference computed step by step with the LoRA one update behind (GRPO with a judge scoring
+from the rollout's thread; distillation with its teacher on chips of its own too), the planner's
 split and step, the split of the devices, and bad settings in one line.
 Exact resume with a rollout in flight: tests/test_resume.py ("rollout-ahead")."""
 
@@ -47,9 +47,8 @@ def _by_hand(run, stale: bool):
 JUDGED = (*MIXED, f"judge.rubric={json.dumps(RUBRIC)}", "judge.batch_size=4", "rollout.devices=4")
 
 
-@pytest.mark.parametrize("stage,extra", [("grpo", (PARITY, "rollout.devices=4")),
-                                         ("distill", (PARITY, *TEACHER)),
-                                         ("grpo", JUDGED)], ids=["grpo", "distill", "judged"])
+@pytest.mark.parametrize("stage,extra", [("grpo", JUDGED), ("distill", (PARITY, *TEACHER))],
+                         ids=["grpo-judged", "distill"])
 def test_the_loop_ahead_equals_a_reference_drawn_one_update_behind(tmp_path, stage, extra):
   cfg = tiny_config(f"train.run_dir={tmp_path}", "train.run_name=ahead", *AHEAD, *extra)
   loop.train(cfg, stage=stage)
@@ -77,7 +76,7 @@ def test_the_rollouts_chips_and_bad_settings(monkeypatch):
   assert d.judge is None and d.teacher is None
   two = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # a v5e:2x4's
   d = split_devices(tiny_config("rollout.devices=4", "grpo.sampler_is=token"), two)
-  assert [x.id for x in d.policy] == [0, 1, 4, 5] and [x.id for x in d.rollout] == [2, 3, 6, 7]
+  assert [x.id for x in d.policy] == [0, 1, 2, 3] and [x.id for x in d.rollout] == [4, 5, 6, 7]
   with pytest.raises(ConfigError, match=r"config key 'grpo.sampler_is' = 'off': expected 'token' "
                                         r"with rollout.devices = 2: rollouts drawn one update"):
     tiny_config("rollout.devices=2")
@@ -132,7 +131,7 @@ def test_on_a_tpu_each_side_is_planned_on_a_slice_of_its_own():
   lowers a program for a slice, not for any four chips of one); 2 + 6 is no pair of slices."""
   from reasoner.planner import ahead, plan
 
-  cfg = tiny_config("train.batch_size=2", "data.max_prompt_tokens=64")
+  cfg = tiny_config("train.batch_size=2", "data.max_prompt_tokens=64", "grpo.sampler_is=token")
   found = ahead.plan_run(ahead.with_devices(cfg, 4), "v5e:2x4", search=False)
   quarter = plan.plan(cfg, "v5e:2x2", search=False)
   assert found["chips"] == 8 and found["mesh"]["fsdp"] == 4 and found["cfg"].rollout.devices == 4

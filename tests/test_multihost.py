@@ -82,8 +82,10 @@ OWN_TEACHER = ["distill.teacher={source: random, name: tiny, tokenizer: bytes, t
                "distill.devices=4"]
 
 
-def test_a_model_of_its_own_takes_its_devices_alike_from_every_host():
+def test_a_model_of_its_own_takes_its_devices_alike_from_every_host(monkeypatch):
   import types
+
+  import jax
 
   from conftest import tiny_config
   from reasoner.build import split_devices
@@ -91,6 +93,9 @@ def test_a_model_of_its_own_takes_its_devices_alike_from_every_host():
 
   devices = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # 2 x 4
   cfg = tiny_config(*OWN_TEACHER)
+  planned = split_devices(cfg, devices, teacher=True)  # one process: a topology's whole slices
+  assert [d.id for d in planned.teacher] == [4, 5, 6, 7]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)  # two processes at run time
   split = split_devices(cfg, devices, teacher=True)
   assert [d.id for d in split.policy] == [0, 1, 4, 5]
   assert [d.id for d in split.teacher] == [2, 3, 6, 7] and split.judge is None
