@@ -251,13 +251,17 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   return out.tokens, out.valid, out.logps, out.done
 
 
+def placed_alike(a, b, ndim: int) -> bool:
+  """Whether shardings `a` and `b` place an array alike, on the same mesh (a program takes its
+  arguments on one): an array placed by `a` needs no copy to be placed by `b`."""
+  return getattr(a, "mesh", None) == b.mesh and a.is_equivalent_to(b, ndim)
+
+
 def shared(state, shardings):
   """`state` placed by `shardings`: each array that is already placed so (the training's whole
   base in the replicated decode layout) is itself, not a copy; the others moved."""
-  def same(x, s) -> bool:  # on the same mesh (a program takes its arguments on one)
-    return getattr(x.sharding, "mesh", None) == s.mesh and x.sharding.is_equivalent_to(s, x.ndim)
-
-  return jax.tree.map(lambda x, s: x if same(x, s) else jax.device_put(x, s), state, shardings)
+  return jax.tree.map(lambda x, s: x if placed_alike(x.sharding, s, x.ndim)
+                      else jax.device_put(x, s), state, shardings)
 
 
 def on_own_chips(setup):
@@ -350,9 +354,10 @@ class Sampler:
     """The run's sampler (`setup`: a `build.Setup`), decoding in `layout` (default
     `rollout.layout`, auto resolved by `planner.layout.decode_layout`), its base weights kept
     in that layout."""
-    cfg, own = setup.cfg, setup.devices is not None and setup.devices.rollout is not None
+    cfg, own_setup = setup.cfg, on_own_chips(setup)
+    own = own_setup is not setup
     if own:
-      setup = on_own_chips(setup)
+      setup = own_setup
       log.info("sampler: on %d devices of its own, a step ahead of training",
                setup.mesh.size)
     layout = layout or decode_layout(setup)
