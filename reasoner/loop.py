@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
-from reasoner.engine import manifest, session
+from reasoner.engine import manifest, metrics as metrics_lib, session
 from reasoner.engine.ahead import Ahead
 from reasoner.engine.checkpoint import (Checkpointer, find_checkpoints, load_reference,
                                         read_newest, save_reference)
@@ -285,7 +285,7 @@ class Run:
       waited = time.perf_counter() - t0
       ahead.start(step + 1, state.lora, run=step + 1 < self.cfg.train.steps)
       state, metrics = kind.learn(self.setup, self.trainer, state, drawn, step)
-      metrics = grpo.timed({**metrics, "rollout_wait_s": waited}, time.perf_counter() - t0)
+      metrics = metrics_lib.timed({**metrics, "rollout_wait_s": waited}, time.perf_counter() - t0)
     metrics.update(self.setup.rewards.take_timeouts())
     if "rollout_s" in metrics:
       self.clock.estimated("eval", metrics["rollout_s"] * _eval_share(self.cfg))

@@ -20,6 +20,13 @@ import numpy as np
 ROW_FILES = ("metrics.jsonl", "samples.jsonl")
 
 
+def timed(metrics: dict, seconds: float) -> dict:
+  """A step's metrics with its wall time and tokens a second (counted on the host: the batch
+  spans every process)."""
+  tokens = metrics.pop("tokens")
+  return {**metrics, "step_time_s": seconds, "tokens_per_s": float(tokens / seconds)}
+
+
 class MetricsWriter:
   def __init__(self, run_path: pathlib.Path, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reasoner.engine import rollout as rollout_lib, teacher as teacher_lib
+from reasoner.engine import metrics as metrics_lib, rollout as rollout_lib, teacher as teacher_lib
 from reasoner.engine.trainer import Stage
 from reasoner.objectives import grpo
 
@@ -108,7 +108,7 @@ def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: i
   t0 = time.perf_counter()
   drawn = draw(setup, sampler, state.lora, data, step, jax.random.fold_in(state.key, step))
   state, metrics = learn(setup, trainer, state, drawn, step)
-  return state, grpo.timed(metrics, time.perf_counter() - t0)
+  return state, metrics_lib.timed(metrics, time.perf_counter() - t0)
 
 
 def check(cfg, records: list[dict], where: str) -> None:

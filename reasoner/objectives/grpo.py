@@ -48,7 +48,7 @@ import numpy as np
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
 from reasoner.data import curriculum, sources
-from reasoner.engine import lora as lora_lib, rollout as rollout_lib
+from reasoner.engine import lora as lora_lib, metrics as metrics_lib, rollout as rollout_lib
 from reasoner.engine.sampler import logprob_temperature
 from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
 
@@ -344,14 +344,7 @@ def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
   t0 = time.perf_counter()
   drawn = draw(setup, sampler, state.lora, data, step, jax.random.fold_in(state.key, step))
   state, metrics = learn(setup, trainer, state, drawn, step)
-  return state, timed(metrics, time.perf_counter() - t0)
-
-
-def timed(metrics: dict, seconds: float) -> dict:
-  """A step's metrics with its wall time and tokens a second (counted on the host: the batch
-  spans every process)."""
-  tokens = metrics.pop("tokens")
-  return {**metrics, "step_time_s": seconds, "tokens_per_s": float(tokens / seconds)}
+  return state, metrics_lib.timed(metrics, time.perf_counter() - t0)
 
 
 def passes(setup, trainer: GRPOTrainer, state, batch: Batch, step: int) -> tuple:
