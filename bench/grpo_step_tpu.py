@@ -92,7 +92,8 @@ def tunix_forward_and_train(cfg, devices, fsdp: int, tp: int, prompts: int, chip
   rows, p, n = prompts * g, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
   plans = []
   for remat in ("none", "block"):  # Tunix's default first; block where that does not fit
-    cfg_m = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp, tp=tp),
+    cfg_m = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp, tp=tp,
+                                                              weights="sharded"),  # Tunix's
                                 model=dataclasses.replace(cfg.model, remat=remat))
     setup = build(cfg_m, abstract=True, devices=devices)
     graphdef, state = nnx.split(nnx.merge(setup.graphdef, setup.lora, setup.base))
@@ -245,13 +246,14 @@ def main() -> None:
   cfg = load_config("configs/gemma3_1b.yaml", [f"train.batch_size={PROMPTS}"])
   forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
   print("  ours: the preset's programs ...", flush=True)
-  setup = build(cfg, abstract=True, devices=devices)
+  setup = build(cfg, abstract=True, devices=devices, hbm=chip.hbm)  # mesh.weights as on a v5e
   rollout = plan.rollout_plan(setup, PROMPTS, chip)  # in the layout `auto` picks
   ours = {"rollout": _part(rollout, chip),
           "logprobs": _part(plan.reference_plan(setup, PROMPTS, chip), chip),
           "train": _part(plan.train_plan(setup, PROMPTS, chip), chip)}
-  _show(f"ours (remat {cfg.model.remat}, decode {rollout.layout})", ours)
-  steps = [_step(f"ours (remat {cfg.model.remat}, decode {rollout.layout})", ours, forwards)]
+  name = f"ours (remat {cfg.model.remat}, weights {setup.weights}, decode {rollout.layout})"
+  _show(name, ours)
+  steps = [_step(name, ours, forwards)]
   tunix = _tunix(cfg, devices, chip)
   for name, parts in tunix.items():
     fits = all(v["fits"] for v in parts.values() if isinstance(v, dict))

@@ -52,7 +52,8 @@ def tunix_rollout(cfg, devices, fsdp: int, tp: int, prompts: int, chip):
   from reasoner.engine.sampler import SamplingConfig
 
   # remat off: nnx.remat inside Tunix's decode loop fails to trace (flax TraceContextError)
-  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp, tp=tp),
+  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp, tp=tp,
+                                                          weights="sharded"),  # Tunix's
                             model=dataclasses.replace(cfg.model, remat="none"))
   setup = build(cfg, abstract=True, devices=devices)
   t, r = setup.spec.tunix_config, cfg.rollout
@@ -118,7 +119,7 @@ def main() -> None:
   rows, tunix, goals = [], [], []
   for prompts in PROMPTS:
     cfg = load_config("configs/gemma3_1b.yaml", [f"train.batch_size={prompts}"])
-    setup = build(cfg, abstract=True, devices=devices)
+    setup = build(cfg, abstract=True, devices=devices, hbm=chip.hbm)
     auto = layout_lib.decode_layout(setup, chip.hbm, chip)
     layers = setup.spec.num_layers
     vocab = setup.spec.tunix_config.num_embed

@@ -20,6 +20,7 @@ from reasoner.data import curriculum, prompts, sources
 from reasoner.engine import lora as lora_lib
 from reasoner.engine.teacher import Teacher
 from reasoner.models import gemma, load
+from reasoner.planner import layout
 from reasoner.rewards import judge as judge_lib
 from reasoner.rewards.judge import Judge
 from reasoner.rewards.scoring import Rewards
@@ -57,6 +58,7 @@ class Setup:
   # the LoRA the run started from (lora.init_from's; the loop sets it), or None: the
   # reference policy of DPO and of GRPO's KL is the base under it
   reference: object | None = None
+  weights: str = "sharded"  # the training weights' placement (`mesh.weights`, auto resolved)
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
@@ -104,14 +106,16 @@ def check(cfg: Config, devices: list | None = None,
 
 def build(cfg: Config, abstract: bool = False, devices: list | None = None,
           check_records: Callable[..., None] | None = None, teacher: bool = False,
-          with_judge: bool = True) -> Setup:
+          with_judge: bool = True, hbm: int | None = None) -> Setup:
   """The run's `Setup`; `abstract`: its model as placed ShapeDtypeStructs and no records, on
   `devices` (default: this host's), e.g. a TPU topology's compile-only devices;
   `check_records`: a stage's rule for its training records (`check`); `teacher`: with
   distillation's teacher (`distill.*`), on its own devices or the policy's; `with_judge`: False
-  where nothing is scored (the export), the judge reward then unbound and its model not read."""
+  where nothing is scored (the export), the judge reward then unbound and its model not read;
+  `hbm`: an abstract build's chip memory, which resolves `mesh.weights: auto` (a topology's
+  compile-only devices have no figure)."""
   if abstract:
-    return _abstract(cfg, devices, teacher)
+    return _abstract(cfg, devices, teacher, hbm)
   c = check(cfg, devices, check_records, teacher)
   tokenizer, spec, model = load.load_model(cfg.model, c.mesh, cfg.train.seed)
   d = cfg.data
@@ -121,10 +125,11 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   sets = {name: fit(recs, f"'{name}' evaluation") for name, recs in c.sets.items()}
   model = lora_lib.apply_lora(model, cfg.lora, c.mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
-  if cfg.mesh.weights == "replicated":  # loaded into shards, then gathered once
+  weights = placement(cfg, c.mesh, base, layout.chip_hbm(c.mesh.devices.flat))
+  if weights == "replicated":  # loaded into shards, then gathered once
     lora, base = mesh_lib.gathered_whole((lora, base), c.mesh)
   setup = Setup(cfg, c.mesh, tokenizer, graphdef, lora, base, c.rewards, train, held_out, spec,
-                sets, c.devices)
+                sets, c.devices, weights=weights)
   if judged(cfg) and with_judge:
     judge = Judge.for_run(setup) if c.devices.judge is None else Judge.own(
         cfg.judge, c.devices.judge, cfg.train.seed)
@@ -200,7 +205,19 @@ def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
   return Devices(policy, judge or None, teacher or None)
 
 
-def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup:
+def placement(cfg: Config, mesh: jax.sharding.Mesh, base, hbm: int | None) -> str:
+  """The training weights' placement (`mesh.weights`, auto resolved by
+  `planner.layout.weights_placement` for `base` on chips of `hbm` bytes), logged with why
+  where it was auto."""
+  weights, why = layout.weights_placement(cfg.mesh.weights, mesh.size, layout.nbytes(base),
+                                          hbm)
+  if cfg.mesh.weights == "auto":
+    log.info("mesh.weights auto: %s (%s)", weights, why)
+  return weights
+
+
+def _abstract(cfg: Config, devices: list | None, teacher: bool = False,
+              hbm: int | None = None) -> Setup:
   split = split_devices(cfg, devices, teacher)
   mesh = mesh_lib.make_mesh(cfg.mesh, split.policy)
   check_mesh(cfg, mesh.shape["fsdp"])
@@ -213,7 +230,8 @@ def _abstract(cfg: Config, devices: list | None, teacher: bool = False) -> Setup
     model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
     graphdef, lora, base = lora_lib.split(nnx.eval_shape(
         lambda m: lora_lib.with_lora(m, cfg.lora, cfg.train.seed), model))
-  rule = mesh_lib.weight_rule(cfg.mesh.weights)
+  weights = placement(cfg, mesh, base, hbm)
+  rule = mesh_lib.weight_rule(weights)
   return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh, rule),
                mesh_lib.placed(base, mesh, rule), Rewards(cfg.rewards), [], [], spec,
-               devices=split)
+               devices=split, weights=weights)

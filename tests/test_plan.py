@@ -268,20 +268,20 @@ def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip
   from reasoner.build import build
 
   setup = build(tiny_config(), abstract=True)
-  weights = layout_lib._nbytes(setup.base)
+  weights = layout_lib.nbytes(setup.base)
   chip = chips.CHIPS["v5e"]
   assert layout_lib.decode_layout(setup) == "train"  # XLA:CPU: no memory figure, no copies
   assert layout_lib.decode_layout(setup, 4 * weights, chip) == "replicated"  # no collective at all
   # tp8's copy, the smallest: 1/8 of the weights, the attention's whole (one KV head: over rows)
   eighth = layout_lib.copy_bytes(setup, setup.base, 8)
-  attention = layout_lib._nbytes(setup.base, mesh_lib.in_attention)
+  attention = layout_lib.nbytes(setup.base, mesh_lib.in_attention)
   assert eighth == (weights - attention) / 8 + attention < layout_lib.copy_bytes(setup,
                                                                                 setup.base, 4)
   assert layout_lib.decode_layout(setup, 4 * eighth + 8, chip) == "tp8"  # only tp8's copy fits
   assert layout_lib.decode_layout(setup, 1, chip) == "train"  # no copy fits
   est = {k: layout_lib.decode_estimate(setup, k, chip) for k in (1, 2, 8)}
   assert est[1]["interconnect"] == 0 < est[2]["interconnect"] < est[8]["interconnect"]
-  lora = layout_lib._nbytes(setup.lora)  # each chip reads its share of the weights, and its rows'
+  lora = layout_lib.nbytes(setup.lora)  # each chip reads its share of the weights, and its rows'
   for k in (1, 2, 8):  # KV cache, more of it the fewer chips the rows split over
     assert est[k]["HBM"] > (weights + lora) / k / chip.bandwidth
   assert layout_lib.decode_layout(build(tiny_config("rollout.layout=tp2"), abstract=True)) == "tp2"

@@ -2,6 +2,8 @@
 sharded one's loss and update, and gathers no weights (what crosses chips: the LoRA's gradients
 and the vocabulary-parallel head's hidden states)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +94,65 @@ def test_the_replicated_decode_layout_shares_the_training_base(pair):
   chip = plan.target("cpu")[1]
   assert plan.rollout_plan(abstract, 2, chip, "replicated").resident == 0
   assert plan.rollout_plan(abstract, 2, chip, "tp2").resident > 0
+
+
+def test_auto_weights_are_whole_where_the_base_takes_a_quarter_of_a_chip_at_most():
+  from reasoner.planner.layout import weights_placement
+
+  gib = 2**30
+  assert weights_placement("auto", 8, 2 * gib, 16 * gib)[0] == "replicated"  # gemma3-1b, v5e
+  assert weights_placement("auto", 8, 4 * gib, 16 * gib)[0] == "replicated"  # exactly 1/4
+  placed, why = weights_placement("auto", 8, 5.2 * gib, 16 * gib)  # gemma2-2b in bf16
+  assert placed == "sharded" and "5.20 GiB" in why and "16.00 GiB" in why
+  assert weights_placement("auto", 8, 1, None) == ("sharded",
+                                                   "the chips' memory is unknown (XLA:CPU)")
+  assert weights_placement("auto", 1, 1, 16 * gib)[0] == "sharded"  # one chip: the same
+  assert weights_placement("replicated", 8, 9 * gib, 16 * gib)[0] == "replicated"  # as set
+  assert weights_placement("sharded", 8, 1, 16 * gib)[0] == "sharded"
+
+
+def test_auto_weights_resolve_in_the_run_and_the_abstract_build(monkeypatch, caplog):
+  """The default (auto): sharded on XLA:CPU (no memory figure); given a chip's memory, whole
+  where the base takes at most a quarter of it, in the real build (loaded into shards, then
+  gathered once) as in the planner's abstract one, with the reason logged."""
+  from reasoner.planner import layout
+
+  cfg = tiny_config(*SETTINGS)
+  assert cfg.mesh.weights == "auto"
+  base = layout.nbytes(build(cfg, abstract=True).base)
+  assert build(cfg, abstract=True).weights == "sharded"
+  whole = build(cfg, abstract=True, hbm=4 * base)
+  assert whole.weights == "replicated"
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(whole.base))
+  assert build(cfg, abstract=True, hbm=4 * base - 1).weights == "sharded"
+  monkeypatch.setattr(layout, "chip_hbm", lambda devices: 16 * 2**30)
+  with caplog.at_level("INFO", logger="reasoner"):
+    run = build(cfg)
+  assert run.weights == "replicated" and "mesh.weights auto: replicated" in caplog.text
+  emb = run.base["embedder"]["input_embedding"].get_value()
+  assert emb.sharding.is_fully_replicated and shard_fraction(emb) == 1.0
+
+
+def test_the_planner_compiles_both_placements_and_names_the_faster():
+  """`python -m reasoner plan` with mesh.weights auto on a chip with a memory figure: the train
+  step and the log-prob forward compiled with the weights placed both ways, and which is
+  faster (here on 8 CPU devices with a v5e's figures: the replicated step gathers nothing)."""
+  from reasoner.planner import plan, report as report_lib
+
+  cfg = tiny_config(*SETTINGS, "data.max_prompt_tokens=64", "rollout.max_new_tokens=32")
+  report = plan.plan(cfg, "cpu", search=False, compare=False)
+  assert report["weights"] == ("sharded", "the chips' memory is unknown (XLA:CPU)")
+  assert "weights_other" not in report
+  chip = report["chip"]
+  plan._weights(report, cfg, jax.devices(), 16 * 2**30, chip, lambda s: None)
+  other = report["weights_other"]
+  assert other["train"].fits and other["logprobs"] is not None
+  count = lambda p: sum(p.collectives.values())
+  assert 4 * count(other["train"]) < count(report["train"])  # replicated: no weight gathers
+  best, why = report["weights_choice"]
+  seconds = {w: float(ms) for w, ms in re.findall(r"(\w+) ([\d.]+) ms", why)}
+  assert set(seconds) == {"sharded", "replicated"} and best == min(seconds, key=seconds.get)
+  text = report_lib.format_report(report)
+  assert "training weights sharded (mesh.weights auto: the chips' memory is unknown" in text
+  assert f"{best} is faster" in text and "(weights replicated)" in text
+  assert ("set mesh.weights: replicated" in text) == (best == "replicated")

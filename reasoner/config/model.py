@@ -78,8 +78,11 @@ class MeshConfig:
   # (Tunix's: 'fsdp' and 'tp'), gathered layer by layer in every pass; `replicated` whole on
   # every chip (gathered once at load), so that a LoRA step gathers no weights: what crosses
   # chips is the LoRA's gradients and the vocabulary-parallel head's hidden states. Costs the
-  # whole base a chip (Gemma 3 1B: 2 GB in bf16). Decoding keeps `rollout.layout`.
-  weights: Literal["sharded", "replicated"] = "sharded"
+  # whole base a chip (Gemma 3 1B: 2 GB in bf16). `auto`: replicated where the whole base takes
+  # at most a quarter of a chip's memory, else sharded (sharded on XLA:CPU, whose fake devices
+  # have no memory figure); the run logs which and why, and `python -m reasoner plan` compiles
+  # both. Decoding keeps `rollout.layout`.
+  weights: Literal["sharded", "replicated", "auto"] = "auto"
 
   def __post_init__(self):
     for f in ("fsdp", "tp"):

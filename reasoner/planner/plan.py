@@ -47,7 +47,7 @@ from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner.chips import CHIPS, Chip, collective_seconds, local_chip
 from reasoner.planner.hlo import Cost, analyse
 from reasoner.planner import libtpu
-from reasoner.planner.layout import decode_layout
+from reasoner.planner.layout import decode_layout, nbytes, weights_placement
 from reasoner.rewards.judge import Judge
 
 @dataclasses.dataclass
@@ -302,7 +302,8 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
   q = cfg.lora.base_qtype  # QLoRA: the layers' kernels in 4 or 8 bits plus a scale per tile
   kernel = item if q == "none" else {"nf4": 0.5, "int8": 1}[q] + item / cfg.lora.base_tile_size
   held = layers * per_layer * kernel + v * d * item
-  whole = cfg.mesh.weights == "replicated" and what == "train"  # the base whole on each chip
+  whole = what == "train" and weights_placement(cfg.mesh.weights, chips, held,  # whole on each
+                                                chip.hbm)[0] == "replicated"
   out = StepPlan(what, prompts, rows, arguments=int(held / (1 if whole else chips)),
                  note="analytic estimate (nothing compiled)", micro=micro or prompts)
   if what == "train":
@@ -390,8 +391,9 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
     measure = {"train": lambda u, m=None: analytic_plan(cfg, fsdp, tp, "train", u, chip, m),
                "rollout": lambda u: analytic_plan(cfg, fsdp, tp, "rollout", u, chip)}
   else:
-    setup = build(cfg, abstract=True, devices=devices, teacher=taught(cfg))
-    layout = decode_layout(on_own_chips(setup), None if topology == "cpu" else chip.hbm, chip)
+    hbm = None if topology == "cpu" else chip.hbm
+    setup = build(cfg, abstract=True, devices=devices, teacher=taught(cfg), hbm=hbm)
+    layout = decode_layout(on_own_chips(setup), hbm, chip)
     measure = {"train": lambda u, m=None: train_plan(setup, u, chip, micro=m),
                "rollout": lambda u: rollout_plan(setup, u, chip, layout)}
   report: dict[str, Any] = {"topology": topology, "chip": chip, "method": method, "cfg": cfg,
@@ -407,6 +409,10 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
   if setup is not None:
     _beside(report, setup, chip, log, compare)
+    report["weights"] = weights_placement(cfg.mesh.weights, setup.mesh.size,
+                                          nbytes(setup.base), hbm)  # (placement, why)
+    if compare and cfg.mesh.weights == "auto" and setup.mesh.size > 1 and hbm:
+      _weights(report, cfg, devices, hbm, chip, log)
     report["lora_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.lora))
     if cfg.rollout.devices:  # the LoRA moves to the rollout's chips once a step
       report["transfer"] = report["lora_bytes"]
@@ -433,6 +439,28 @@ def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None
   if taught(cfg):
     log(f"  teacher's log-probs, {b} prompts x {g} ...")
     report["teacher"], report["teacher_on"] = teacher_plan(setup, chip)
+
+
+def _weights(report: dict[str, Any], cfg: Config, devices, hbm: int | None, chip: Chip,
+             log: Callable[[str], None]) -> None:
+  """`mesh.weights: auto` checked: the train step and log-prob forward compiled with the
+  training weights placed the other way too (`report['weights_other']`), and `weights_choice`:
+  the faster of the two that fits, and why."""
+  b, picked = cfg.train.batch_size, report["weights"][0]
+  other = "sharded" if picked == "replicated" else "replicated"
+  setup = build(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, weights=other)),
+                abstract=True, devices=devices, teacher=taught(cfg), hbm=hbm)
+  log(f"  train step and log-prob forward with the weights {other}, {b} prompts ...")
+  plans = {picked: [report["train"], report.get("logprobs")],
+           other: [train_plan(setup, b, chip),
+                   reference_plan(setup, b, chip) if "logprobs" in report else None]}
+  report["weights_other"] = dict(zip(("train", "logprobs"), plans[other]))
+  seconds = {w: sum(p.seconds(chip) for p in ps if p is not None) for w, ps in plans.items()}
+  fits = [w for w in (picked, other) if plans[w][0].fits]
+  best = min(fits, key=seconds.get) if fits else picked
+  why = ", ".join(f"{w} {seconds[w] * 1e3:.1f} ms" + ("" if plans[w][0].fits else
+                                                          " (does not fit)") for w in plans)
+  report["weights_choice"] = (best, f"train step + log-prob forward: {why}")
 
 
 def _search(report: dict[str, Any], logged: Callable[..., StepPlan], fsdp: int) -> None:

@@ -47,6 +47,23 @@ def _collectives(r: StepPlan, chip: Chip, top: int = 4) -> str:
   return "".join(rows) + more
 
 
+def _weights(report: dict[str, Any], chip: Chip) -> list[str]:
+  """The training weights' placement and why; with `mesh.weights: auto`, the other placement's
+  compiled train step and log-prob forward, and which of the two is faster."""
+  if "weights" not in report:
+    return []
+  picked, why = report["weights"]
+  lines = [f"  training weights {picked} (mesh.weights {report['cfg'].mesh.weights}: {why})"]
+  if "weights_other" in report:
+    other = "sharded" if picked == "replicated" else "replicated"
+    lines += [_row(p, chip) + f"  (weights {other})"
+              for p in report["weights_other"].values() if p is not None]
+    best, seconds = report["weights_choice"]
+    lines.append(f"  compiled, {seconds}: {best} is faster"
+                 + ("" if best == picked else f"; set mesh.weights: {best}"))
+  return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
   chip, m = report["chip"], report["mesh"]
   rollout = report["rollout"]
@@ -56,8 +73,7 @@ def format_report(report: dict[str, Any]) -> str:
            "per chip; every loop body counted once per trip; time = the bound that binds "
            "(HBM bytes, collectives' latency + bandwidth, FLOPs), a lower bound",
            "configured:", _row(report["train"], chip)]
-  if "logprobs" in report:
-    lines.append(_row(report["logprobs"], chip))
+  lines += [_row(report[k], chip) for k in ("logprobs",) if k in report] + _weights(report, chip)
   lines.append(_row(rollout, chip) + (f"  (decode layout {rollout.layout})" if rollout.layout
                                        else ""))
   if rollout.resident:
