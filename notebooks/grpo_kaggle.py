@@ -145,8 +145,10 @@ cfg = nb.configure(CONFIG, OVERRIDES)
 
 # %% [markdown]
 # ## Load the model and evaluate it before training
-# The weights are restored from Kaggle straight into their shards over the 8 chips; LoRA
-# adapters are added in place. Greedy decoding on the held-out problems gives the starting point.
+# The weights are restored from Kaggle straight into their shards over the 8 chips, then, where
+# the base takes at most a quarter of a chip (`mesh.weights: auto`; Gemma 3 1B on a v5e), gathered
+# whole onto each chip once, so that a LoRA step gathers no weights; LoRA adapters are added in
+# place. Greedy decoding on the held-out problems gives the starting point.
 
 # %%
 from reasoner.loop import Run
