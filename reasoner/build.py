@@ -208,10 +208,10 @@ def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
 def placement(cfg: Config, mesh: jax.sharding.Mesh, base, hbm: int | None) -> str:
   """The training weights' placement (`mesh.weights`, auto resolved by
   `planner.layout.weights_placement` for `base` on chips of `hbm` bytes), logged with why
-  where it was auto."""
+  where auto had a choice (several chips of known memory)."""
   weights, why = layout.weights_placement(cfg.mesh.weights, mesh.size, layout.nbytes(base),
                                           hbm)
-  if cfg.mesh.weights == "auto":
+  if cfg.mesh.weights == "auto" and hbm and mesh.size > 1:
     log.info("mesh.weights auto: %s (%s)", weights, why)
   return weights
 
