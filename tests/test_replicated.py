@@ -137,14 +137,16 @@ def test_the_planner_compiles_both_placements_and_names_the_faster():
   """`python -m reasoner plan` with mesh.weights auto on a chip with a memory figure: the train
   step and the log-prob forward compiled with the weights placed both ways, and which is
   faster (here on 8 CPU devices with a v5e's figures: the replicated step gathers nothing)."""
-  from reasoner.planner import plan, report as report_lib
+  from reasoner.planner import layout, plan, report as report_lib
 
   cfg = tiny_config(*SETTINGS, "data.max_prompt_tokens=64", "rollout.max_new_tokens=32")
-  report = plan.plan(cfg, "cpu", search=False, compare=False)
-  assert report["weights"] == ("sharded", "the chips' memory is unknown (XLA:CPU)")
-  assert "weights_other" not in report
-  chip = report["chip"]
-  plan._weights(report, cfg, jax.devices(), 16 * 2**30, chip, lambda s: None)
+  devices, chip, _ = plan.target("cpu")
+  setup = build(cfg, abstract=True, devices=devices)  # XLA:CPU: no memory figure
+  report = {"cfg": cfg, "train": plan.train_plan(setup, 4, chip),
+            "logprobs": plan.reference_plan(setup, 4, chip),
+            "weights": layout.weights_placement("auto", 8, layout.nbytes(setup.base), None)}
+  assert setup.weights == report["weights"][0] == "sharded"
+  plan._weights(report, cfg, devices, 16 * 2**30, chip, lambda s: None)
   other = report["weights_other"]
   assert other["train"].fits and other["logprobs"] is not None
   count = lambda p: sum(p.collectives.values())
@@ -152,7 +154,7 @@ def test_the_planner_compiles_both_placements_and_names_the_faster():
   best, why = report["weights_choice"]
   seconds = {w: float(ms) for w, ms in re.findall(r"(\w+) ([\d.]+) ms", why)}
   assert set(seconds) == {"sharded", "replicated"} and best == min(seconds, key=seconds.get)
-  text = report_lib.format_report(report)
+  text = "\n".join(report_lib._weights(report, chip))
   assert "training weights sharded (mesh.weights auto: the chips' memory is unknown" in text
   assert f"{best} is faster" in text and "(weights replicated)" in text
   assert ("set mesh.weights: replicated" in text) == (best == "replicated")
