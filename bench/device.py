@@ -91,6 +91,11 @@ def measure(cfg) -> dict:
     jax.block_until_ready(m)
     train.append(time.perf_counter() - t)
   rows = cfg.train.batch_size * cfg.rollout.num_generations
+  # the host's time between programs: the warm step less what its programs took alone (the
+  # rollout's own figure holds the sampler's tokenising and detokenising)
+  forwards = (cfg.grpo.beta > 0) + (cfg.grpo.num_iterations > 1)
+  host_s = (warm["step_time_s"] - warm["rollout_s"] - forwards * logprobs_s
+            - cfg.grpo.num_iterations * min(train))
   tokens = rows * (batch.prompt.shape[1] + batch.completion.shape[1])
   device = jax.devices()[0]
   return {"device_kind": device.device_kind, "hbm": (device.memory_stats() or {}).get(
@@ -98,7 +103,7 @@ def measure(cfg) -> dict:
           "step_s": warm["step_time_s"], "rollout_s": warm["rollout_s"],
           "reward_s": warm["reward_s"],
           "rollout_tokens_per_s": warm["rollout_tokens"] / warm["rollout_s"],
-          "logprobs_s": logprobs_s, "train_s": min(train), "train_tokens_per_s":
+          "logprobs_s": logprobs_s, "host_s": host_s, "train_s": min(train), "train_tokens_per_s":
           tokens / min(train), "peak_bytes": (device.memory_stats() or {}).get(
               "peak_bytes_in_use", 0), "rows": rows,
           "prompt_tokens": int(batch.prompt.shape[1]),

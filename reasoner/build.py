@@ -59,6 +59,7 @@ class Setup:
   # reference policy of DPO and of GRPO's KL is the base under it
   reference: object | None = None
   weights: str = "sharded"  # the training weights' placement (`mesh.weights`, auto resolved)
+  weights_why: str = ""  # and why (`planner.layout.weights_placement`'s reason)
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
@@ -125,11 +126,11 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   sets = {name: fit(recs, f"'{name}' evaluation") for name, recs in c.sets.items()}
   model = lora_lib.apply_lora(model, cfg.lora, c.mesh, cfg.train.seed)
   graphdef, lora, base = lora_lib.split(model)
-  weights = placement(cfg, c.mesh, base, layout.chip_hbm(c.mesh.devices.flat))
+  weights, why = placement(cfg, c.mesh, base, layout.chip_hbm(c.mesh.devices.flat))
   if weights == "replicated":  # loaded into shards, then gathered once
     lora, base = mesh_lib.gathered_whole((lora, base), c.mesh)
   setup = Setup(cfg, c.mesh, tokenizer, graphdef, lora, base, c.rewards, train, held_out, spec,
-                sets, c.devices, weights=weights)
+                sets, c.devices, weights=weights, weights_why=why)
   if judged(cfg) and with_judge:
     judge = Judge.for_run(setup) if c.devices.judge is None else Judge.own(
         cfg.judge, c.devices.judge, cfg.train.seed)
@@ -205,15 +206,15 @@ def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
   return Devices(policy, judge or None, teacher or None)
 
 
-def placement(cfg: Config, mesh: jax.sharding.Mesh, base, hbm: int | None) -> str:
+def placement(cfg: Config, mesh: jax.sharding.Mesh, base, hbm: int | None) -> tuple[str, str]:
   """The training weights' placement (`mesh.weights`, auto resolved by
-  `planner.layout.weights_placement` for `base` on chips of `hbm` bytes), logged with why
-  where auto had a choice (several chips of known memory)."""
+  `planner.layout.weights_placement` for `base` on chips of `hbm` bytes) and why, logged where
+  auto had a choice (several chips of known memory)."""
   weights, why = layout.weights_placement(cfg.mesh.weights, mesh.size, layout.nbytes(base),
                                           hbm)
   if cfg.mesh.weights == "auto" and hbm and mesh.size > 1:
     log.info("mesh.weights auto: %s (%s)", weights, why)
-  return weights
+  return weights, why
 
 
 def _abstract(cfg: Config, devices: list | None, teacher: bool = False,
@@ -230,8 +231,8 @@ def _abstract(cfg: Config, devices: list | None, teacher: bool = False,
     model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
     graphdef, lora, base = lora_lib.split(nnx.eval_shape(
         lambda m: lora_lib.with_lora(m, cfg.lora, cfg.train.seed), model))
-  weights = placement(cfg, mesh, base, hbm)
+  weights, why = placement(cfg, mesh, base, hbm)
   rule = mesh_lib.weight_rule(weights)
   return Setup(cfg, mesh, tokenizer, graphdef, mesh_lib.placed(lora, mesh, rule),
                mesh_lib.placed(base, mesh, rule), Rewards(cfg.rewards), [], [], spec,
-               devices=split, weights=weights)
+               devices=split, weights=weights, weights_why=why)

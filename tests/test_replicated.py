@@ -137,17 +137,18 @@ def test_the_planner_compiles_both_placements_and_names_the_faster():
   """`python -m reasoner plan` with mesh.weights auto on a chip with a memory figure: the train
   step and the log-prob forward compiled with the weights placed both ways, and which is
   faster (here on 8 CPU devices with a v5e's figures: the replicated step gathers nothing)."""
-  from reasoner.planner import layout, plan, report as report_lib
+  from reasoner.planner import plan, report as report_lib
 
   cfg = tiny_config(*SETTINGS, "data.max_prompt_tokens=64", "rollout.max_new_tokens=32")
   devices, chip, _ = plan.target("cpu")
   setup = build(cfg, abstract=True, devices=devices)  # XLA:CPU: no memory figure
   report = {"cfg": cfg, "train": plan.train_plan(setup, 4, chip),
             "logprobs": plan.reference_plan(setup, 4, chip),
-            "weights": layout.weights_placement("auto", 8, layout.nbytes(setup.base), None)}
-  assert setup.weights == report["weights"][0] == "sharded"
+            "weights": (setup.weights, setup.weights_why)}
+  assert setup.weights == "sharded"
   plan._weights(report, cfg, devices, 16 * 2**30, chip, lambda s: None)
-  other = report["weights_other"]
+  assert report["weights_other"][0] == "replicated"
+  other = report["weights_other"][1]
   assert other["train"].fits and other["logprobs"] is not None
   count = lambda p: sum(p.collectives.values())
   assert 4 * count(other["train"]) < count(report["train"])  # replicated: no weight gathers
@@ -158,3 +159,19 @@ def test_the_planner_compiles_both_placements_and_names_the_faster():
   assert "training weights sharded (mesh.weights auto: the chips' memory is unknown" in text
   assert f"{best} is faster" in text and "(weights replicated)" in text
   assert ("set mesh.weights: replicated" in text) == (best == "replicated")
+
+
+def test_the_zeroed_lora_is_made_on_the_chips_as_the_lora_is_placed(pair):
+  """The reference's LoRA (zeroed, made each step where beta > 0 and for DPO's reference):
+  zeros of the LoRA's shapes and dtypes, placed as it is (whole or sharded), by one program that
+  the next call reuses."""
+  from reasoner.engine import lora as lora_lib
+
+  for setup in pair.values():
+    before = lora_lib._zeros.cache_info()
+    zeros = [lora_lib.zeros_like(setup.lora) for _ in range(2)]
+    after = lora_lib._zeros.cache_info()
+    assert after.misses <= before.misses + 1 and after.hits >= before.hits + 1
+    for z, x in zip(jax.tree.leaves(zeros[1]), jax.tree.leaves(setup.lora)):
+      assert (z.shape, z.dtype, z.sharding) == (x.shape, x.dtype, x.sharding)
+      assert not np.asarray(z).any()

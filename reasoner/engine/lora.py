@@ -11,6 +11,8 @@ and each matmul dequantises it; the reference is then the quantised base.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import qwix
@@ -77,4 +79,17 @@ def split(model: nnx.Module):
 
 
 def zeros_like(lora_state):
-  return jax.tree.map(jnp.zeros_like, lora_state)
+  """`lora_state` zeroed (the reference: the base weights themselves), placed alike, made on the
+  devices by one cached program. `jnp.zeros_like` of each committed array sent each from the
+  host: 216 transfers, 49 ms a step for the embedded 270M's LoRA on 8 XLA:CPU devices."""
+  leaves, tree = jax.tree.flatten(lora_state)
+  if not all(isinstance(x, jax.Array) for x in leaves):  # abstract (a planner's)
+    return jax.tree.map(jnp.zeros_like, lora_state)
+  return tree.unflatten(_zeros(tuple((x.shape, x.dtype, x.sharding) for x in leaves))())
+
+
+@functools.cache
+def _zeros(specs: tuple):
+  """The program that makes zero arrays of `specs`, (shape, dtype, sharding) each."""
+  return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype, _ in specs],
+                 out_shardings=[s for *_, s in specs])

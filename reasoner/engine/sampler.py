@@ -260,8 +260,15 @@ def placed_alike(a, b, ndim: int) -> bool:
 def shared(state, shardings):
   """`state` placed by `shardings`: each array that is already placed so (the training's whole
   base in the replicated decode layout) is itself, not a copy; the others moved."""
-  return jax.tree.map(lambda x, s: x if placed_alike(x.sharding, s, x.ndim)
-                      else jax.device_put(x, s), state, shardings)
+  leaves, tree = jax.tree.flatten(state)
+  want = tree.flatten_up_to(shardings)
+  move = [i for i, (x, s) in enumerate(zip(leaves, want))
+          if not placed_alike(x.sharding, s, x.ndim)]
+  # one batched call: a device_put per array took 13.6 ms for the embedded LoRA's 216 arrays
+  # on 8 XLA:CPU devices, this 7.6 (the LoRA moves every step)
+  for i, x in zip(move, jax.device_put([leaves[i] for i in move], [want[i] for i in move])):
+    leaves[i] = x
+  return tree.unflatten(leaves)
 
 
 def on_own_chips(setup):

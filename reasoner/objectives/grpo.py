@@ -303,8 +303,11 @@ def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout
                                       batch["completion"], batch["completion_mask"])
   if cfg.grpo.num_iterations > 1:
     batch["old_logp"] = fwd(lora)
-  ref = setup.reference if setup.reference is not None else lora_lib.zeros_like(lora)
-  batch["ref_logp"] = fwd(ref) if cfg.grpo.beta > 0 else jnp.zeros_like(batch["old_logp"])
+  if cfg.grpo.beta > 0:
+    ref = setup.reference if setup.reference is not None else lora_lib.zeros_like(lora)
+    batch["ref_logp"] = fwd(ref)
+  else:
+    batch["ref_logp"] = jnp.zeros_like(batch["old_logp"])
   return Batch(**batch)
 
 

@@ -47,7 +47,7 @@ from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner.chips import CHIPS, Chip, collective_seconds, local_chip
 from reasoner.planner.hlo import Cost, analyse
 from reasoner.planner import libtpu
-from reasoner.planner.layout import decode_layout, nbytes, weights_placement
+from reasoner.planner.layout import decode_layout, weights_placement
 from reasoner.rewards.judge import Judge
 
 @dataclasses.dataclass
@@ -409,8 +409,7 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
   if setup is not None:
     _beside(report, setup, chip, log, compare)
-    report["weights"] = weights_placement(cfg.mesh.weights, setup.mesh.size,
-                                          nbytes(setup.base), hbm)  # (placement, why)
+    report["weights"] = (setup.weights, setup.weights_why)
     if compare and cfg.mesh.weights == "auto" and setup.mesh.size > 1 and hbm:
       _weights(report, cfg, devices, hbm, chip, log)
     report["lora_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.lora))
@@ -444,8 +443,8 @@ def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None
 def _weights(report: dict[str, Any], cfg: Config, devices, hbm: int | None, chip: Chip,
              log: Callable[[str], None]) -> None:
   """`mesh.weights: auto` checked: the train step and log-prob forward compiled with the
-  training weights placed the other way too (`report['weights_other']`), and `weights_choice`:
-  the faster of the two that fits, and why."""
+  training weights placed the other way too (`report['weights_other']`: it and its plans), and
+  `weights_choice`: the faster of the two that fits, and why."""
   b, picked = cfg.train.batch_size, report["weights"][0]
   other = "sharded" if picked == "replicated" else "replicated"
   setup = build(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, weights=other)),
@@ -454,7 +453,7 @@ def _weights(report: dict[str, Any], cfg: Config, devices, hbm: int | None, chip
   plans = {picked: [report["train"], report.get("logprobs")],
            other: [train_plan(setup, b, chip),
                    reference_plan(setup, b, chip) if "logprobs" in report else None]}
-  report["weights_other"] = dict(zip(("train", "logprobs"), plans[other]))
+  report["weights_other"] = (other, dict(zip(("train", "logprobs"), plans[other])))
   seconds = {w: sum(p.seconds(chip) for p in ps if p is not None) for w, ps in plans.items()}
   fits = [w for w in (picked, other) if plans[w][0].fits]
   best = min(fits, key=seconds.get) if fits else picked

@@ -55,9 +55,8 @@ def _weights(report: dict[str, Any], chip: Chip) -> list[str]:
   picked, why = report["weights"]
   lines = [f"  training weights {picked} (mesh.weights {report['cfg'].mesh.weights}: {why})"]
   if "weights_other" in report:
-    other = "sharded" if picked == "replicated" else "replicated"
-    lines += [_row(p, chip) + f"  (weights {other})"
-              for p in report["weights_other"].values() if p is not None]
+    other, plans = report["weights_other"]
+    lines += [_row(p, chip) + f"  (weights {other})" for p in plans.values() if p is not None]
     best, seconds = report["weights_choice"]
     lines.append(f"  compiled, {seconds}: {best} is faster"
                  + ("" if best == picked else f"; set mesh.weights: {best}"))
