@@ -228,7 +228,7 @@ def _abstract(cfg: Config, devices: list | None, teacher: bool = False,
   # must be an input of the trace, not the output of its initializer (QLoRA's MLP kernels
   # came out without LoRA weights when both ran in one).
   with jax.set_mesh(mesh):
-    model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: gemma.new_model(spec, 0))
     graphdef, lora, base = lora_lib.split(nnx.eval_shape(
         lambda m: lora_lib.with_lora(m, cfg.lora, cfg.train.seed), model))
   weights, why = placement(cfg, mesh, base, hbm)

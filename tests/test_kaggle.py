@@ -6,6 +6,7 @@ independently of the loader's mapping. References are built by Tunix's own upstr
 (`map_from_upstream_checkpoint` for Gemma 3, the linen-variable mapping for Gemma 2).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -189,6 +190,24 @@ def test_gating_split_moves_nothing_between_devices():
   hlo = kaggle._gating_splitter(True, out).lower(arg).compile().as_text()
   for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
     assert op not in hlo
+
+
+def test_gemma2_parameters_are_held_in_model_dtype_however_they_are_made():
+  """Tunix's Gemma 2 creates its parameters in float32 whatever model.dtype says; a run holds
+  them in model.dtype, as the Kaggle restore casts them: so do the planner's abstract model and
+  a random init (a rehearsal's), and the random values are the float32 init's, rounded."""
+  f32 = gemma2_spec()
+  spec, mesh = dataclasses.replace(f32, dtype=jnp.bfloat16), mesh_of(8)
+  raw = nnx.state(nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))))
+  assert {x.dtype for x in jax.tree.leaves(raw)} == {jnp.dtype(jnp.float32)}  # Tunix's own
+  _, abstract, _ = gemma.abstract_model(spec, mesh)
+  made = nnx.state(gemma.init_random(spec, mesh, 3))
+  for state in (abstract, made):
+    assert {x.dtype for x in jax.tree.leaves(state)} == {jnp.dtype(jnp.bfloat16)}
+  for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(nnx.state(gemma.init_random(f32, mesh,
+                                                                                      3)))):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jnp.bfloat16))
 
 
 def test_gemma2_layout_matches_tunix_linen_mapping(tmp_path):

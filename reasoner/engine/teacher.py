@@ -24,7 +24,7 @@ from reasoner.engine import heads, manifest, topk as topk_lib
 from reasoner.engine.checkpoint import find_checkpoints, read_newest
 from reasoner.engine.sampler import logprob_temperature
 from reasoner.engine.trainer import Trainer, checkpoint_tree, completion_logprobs
-from reasoner.models import load
+from reasoner.models import gemma, load
 from reasoner.models.prompt import completion_hidden
 
 log = logging.getLogger("reasoner")
@@ -107,8 +107,7 @@ class Teacher:
     mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
     tokenizer, spec = load.spec_without_checkpoint(cfg.distill.teacher)
     with jax.set_mesh(mesh):
-      graphdef, state = nnx.split(nnx.eval_shape(
-          lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))))
+      graphdef, state = nnx.split(nnx.eval_shape(lambda: gemma.new_model(spec, 0)))
     return cls(graphdef, (mesh_lib.placed(state, mesh),), mesh, tokenizer,
                cfg.train.head_chunk, t)
 

@@ -182,10 +182,21 @@ def model_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
   return ModelSpec(family=family, tunix_config=tcfg, cls=cls, dtype=dtype)
 
 
+def new_model(spec: ModelSpec, seed: int) -> nnx.Module:
+  """Tunix's module of `spec`, its floating parameters in the dtype a run holds them in
+  (`param_dtype`, as the Kaggle restore casts them): Tunix's Gemma 2 creates them in float32
+  whatever model.dtype says, and the planner saw gemma2_2b's bf16 base as 9.74 GiB."""
+  model = spec.cls(spec.tunix_config, rngs=nnx.Rngs(seed))
+  graphdef, state = nnx.split(model)
+  if all(spec.param_dtype(x.dtype) == x.dtype for x in jax.tree.leaves(state)):
+    return model
+  return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(spec.param_dtype(x.dtype)), state))
+
+
 def abstract_model(spec: ModelSpec, mesh: Mesh):
   """(graphdef, abstract state with NamedShardings): shapes only, nothing allocated."""
   with jax.set_mesh(mesh):
-    abs_model = nnx.eval_shape(lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0)))
+    abs_model = nnx.eval_shape(lambda: new_model(spec, 0))
   graphdef, abs_state = nnx.split(abs_model)
   shardings = nnx.get_named_sharding(abs_state, mesh)
   return graphdef, abs_state, shardings
@@ -196,7 +207,7 @@ def init_random(spec: ModelSpec, mesh: Mesh, seed: int):
   graphdef, _, shardings = abstract_model(spec, mesh)
 
   def create():
-    return nnx.state(spec.cls(spec.tunix_config, rngs=nnx.Rngs(seed)))
+    return nnx.state(new_model(spec, seed))
 
   with jax.set_mesh(mesh):
     state = jax.jit(create, out_shardings=shardings)()

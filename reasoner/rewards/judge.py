@@ -41,7 +41,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.config import JudgeConfig, MeshConfig
 from reasoner.engine import lora as lora_lib
 from reasoner.errors import ConfigError
-from reasoner.models import load
+from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 
 
@@ -175,8 +175,7 @@ class Judge:
     mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
     tokenizer, spec = load.spec_without_checkpoint(cfg.model)
     with jax.set_mesh(mesh):
-      graphdef, state = nnx.split(nnx.eval_shape(
-          lambda: spec.cls(spec.tunix_config, rngs=nnx.Rngs(0))))
+      graphdef, state = nnx.split(nnx.eval_shape(lambda: gemma.new_model(spec, 0)))
     return cls(cfg, graphdef, (mesh_lib.placed(state, mesh),), tokenizer, mesh)
 
   def abstract_inputs(self) -> tuple:
