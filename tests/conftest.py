@@ -1,9 +1,25 @@
 """Tests run on 8 fake CPU devices (a v5e-8's shape); single-device cases use one of them."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One compilation cache for the session, inherited by the runs the tests start as processes:
+# most of those (resume, faults, sessions, export) compile the same tiny programs, and tests in
+# several modules the same embedded ones. Every program is kept (no minimum compile time or
+# size); a size limit turns on the cache's file lock, so that one process never reads an entry
+# another is still writing. Removed when the session ends.
+_CACHE = tempfile.mkdtemp(prefix="reasoner-test-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+for key, value in {"JAX_COMPILATION_CACHE_DIR": _CACHE,
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+                   "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}.items():
+  os.environ.setdefault(key, value)
 
 import pathlib  # noqa: E402
 
