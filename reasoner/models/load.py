@@ -4,6 +4,7 @@ Kaggle Flax checkpoint, a random init); and the spec alone where nothing is read
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -34,8 +35,7 @@ def load_model(m: ModelConfig, mesh: jax.sharding.Mesh, seed: int):
   """(tokenizer, spec, model) of model section `m`, its weights loaded into their shards."""
   if m.source == "embedded":
     log.info("loading the embedded Gemma 3 270M (GGUF, dequantised) ...")
-    ckpt = gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
-    tokenizer = ckpt.tokenizer()
+    ckpt, tokenizer = embedded()
     spec = gemma.model_spec(m, tokenizer.vocab_size)
     return tokenizer, spec, gemma.from_host(spec, mesh, ckpt.reader())
   if m.source == "kaggle":
@@ -63,5 +63,14 @@ def _kaggle(m: ModelConfig, mesh: jax.sharding.Mesh):
   return tokenizer, spec, kaggle.restore(spec, mesh, layout.params, meta)
 
 
+@functools.cache
+def embedded() -> tuple[gguf.GGUFCheckpoint, object]:
+  """The embedded GGUF and its tokenizer, read once a process: parsing the file's vocabulary
+  (262,144 tokens) takes about 15 s, and a planner's search asked for it once a plan (11 times
+  for the gemma3_1b preset's micro-batch search)."""
+  ckpt = gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
+  return ckpt, ckpt.tokenizer()
+
+
 def embedded_tokenizer():
-  return gguf.GGUFCheckpoint(gguf.embedded_gguf_path()).tokenizer()
+  return embedded()[1]
