@@ -35,11 +35,11 @@ def _before():
   import jax
   import jax.numpy as jnp
 
-  from reasoner.engine import sampler
+  from reasoner import mesh as mesh_lib
 
   zeros = lambda lora: jax.tree.map(jnp.zeros_like, lora)
   shared = lambda state, shardings: jax.tree.map(
-      lambda x, s: x if sampler.placed_alike(x.sharding, s, x.ndim) else jax.device_put(x, s),
+      lambda x, s: x if mesh_lib.placed_alike(x.sharding, s, x.ndim) else jax.device_put(x, s),
       state, shardings)
   return zeros, shared
 
@@ -49,22 +49,23 @@ def run() -> None:
   import jax
 
   from reasoner.build import build
+  from reasoner import mesh as mesh_lib
   from reasoner.config import load_config
   from reasoner.engine import lora as lora_lib, sampler as sampler_lib
 
   cfg = load_config(CONFIG, OVERRIDES)
   setup = build(cfg)
   sampler = sampler_lib.Sampler.for_run(setup)
-  variants = {"now": (lora_lib.zeros_like, sampler_lib.shared), "before": _before()}
+  variants = {"now": (lora_lib.zeros_like, mesh_lib.moved), "before": _before()}
   moves = {name: {"zeroed_lora_ms": [], "lora_to_decode_ms": []} for name in variants}
   for _ in range(3):  # alternated, the best of each
     for name, (zeros, shared) in variants.items():
-      lora_lib.zeros_like, sampler_lib.shared = zeros, shared
+      lora_lib.zeros_like, mesh_lib.moved = zeros, shared
       moves[name]["zeroed_lora_ms"].append(1e3 * common.timeit(lambda: zeros(setup.lora), 10))
       moves[name]["lora_to_decode_ms"].append(1e3 * common.timeit(
           lambda: sampler.in_layout((setup.lora, setup.base)), 10))
   moves = {name: {k: min(v) for k, v in m.items()} for name, m in moves.items()}
-  lora_lib.zeros_like, sampler_lib.shared = variants["now"]
+  lora_lib.zeros_like, mesh_lib.moved = variants["now"]
   figures = {**moves, "lora_arrays": len(jax.tree.leaves(setup.lora)),
              "lora_bytes": sum(x.nbytes for x in jax.tree.leaves(setup.lora))}
   ratio = lambda k: moves["now"][k] / moves["before"][k]

@@ -128,6 +128,26 @@ def whole(state: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda _: replicated(mesh), state)
 
 
+def placed_alike(a, b, ndim: int) -> bool:
+  """Whether shardings `a` and `b` place an array alike, on the same mesh (a program takes its
+  arguments on one): an array placed by `a` needs no copy to be placed by `b`."""
+  return getattr(a, "mesh", None) == b.mesh and a.is_equivalent_to(b, ndim)
+
+
+def moved(state: Any, shardings: Any) -> Any:
+  """`state` placed by `shardings` (a tree of its structure): an array placed so already is
+  itself, never a copy (a whole base in the replicated decode layout); the others are moved in
+  one batched call (the LoRA moves every step: a call an array took 13.6 ms for the embedded
+  270M's 216 arrays on 8 XLA:CPU devices, one call 7.6)."""
+  leaves, tree = jax.tree.flatten(state)
+  want = tree.flatten_up_to(shardings)
+  move = [i for i, (x, s) in enumerate(zip(leaves, want))
+          if not placed_alike(x.sharding, s, x.ndim)]
+  for i, x in zip(move, jax.device_put([leaves[i] for i in move], [want[i] for i in move])):
+    leaves[i] = x
+  return tree.unflatten(leaves)
+
+
 def weight_rule(weights: str) -> Callable[[Any, Mesh], Any]:
   """The training weights' placement rule for `mesh.weights`."""
   return whole if weights == "replicated" else shardings

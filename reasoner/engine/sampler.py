@@ -251,26 +251,6 @@ def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask
   return out.tokens, out.valid, out.logps, out.done
 
 
-def placed_alike(a, b, ndim: int) -> bool:
-  """Whether shardings `a` and `b` place an array alike, on the same mesh (a program takes its
-  arguments on one): an array placed by `a` needs no copy to be placed by `b`."""
-  return getattr(a, "mesh", None) == b.mesh and a.is_equivalent_to(b, ndim)
-
-
-def shared(state, shardings):
-  """`state` placed by `shardings`: each array that is already placed so (the training's whole
-  base in the replicated decode layout) is itself, not a copy; the others moved."""
-  leaves, tree = jax.tree.flatten(state)
-  want = tree.flatten_up_to(shardings)
-  move = [i for i, (x, s) in enumerate(zip(leaves, want))
-          if not placed_alike(x.sharding, s, x.ndim)]
-  # one batched call: a device_put per array took 13.6 ms for the embedded LoRA's 216 arrays
-  # on 8 XLA:CPU devices, this 7.6 (the LoRA moves every step)
-  for i, x in zip(move, jax.device_put([leaves[i] for i in move], [want[i] for i in move])):
-    leaves[i] = x
-  return tree.unflatten(leaves)
-
-
 def on_own_chips(setup):
   """`setup` with the rollout's own chips (`rollout.devices`) as its mesh, rows over them (as
   the sampler and the planner's decode layout see them); `setup` where it has none."""
@@ -386,7 +366,7 @@ class Sampler:
     Nothing to do on the training layout or for abstract states (the planner)."""
     if ((self.layout != "train" or self.own)
         and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))):
-      self._kept.append((state, shared(state, self._shardings(state))))
+      self._kept.append((state, mesh_lib.moved(state, self._shardings(state))))
 
   def in_layout(self, states: tuple) -> tuple:
     """`states` as decoding reads them: a kept state's copy, the others moved (the LoRA)."""
@@ -398,7 +378,7 @@ class Sampler:
       if not kept:
         tree = jax.tree.structure(s)
         rules = self._rules.get(tree) or self._rules.setdefault(tree, self._shardings(s))
-      out.append(kept[0] if kept else shared(s, rules))
+      out.append(kept[0] if kept else mesh_lib.moved(s, rules))
     return tuple(out)
 
   def abstract_inputs(self, states: tuple, prompts: int, g: int,

@@ -106,8 +106,7 @@ class Teacher:
                  cfg.train.head_chunk, t)
     mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
     tokenizer, spec = load.spec_without_checkpoint(cfg.distill.teacher)
-    with jax.set_mesh(mesh):
-      graphdef, state = nnx.split(nnx.eval_shape(lambda: gemma.new_model(spec, 0)))
+    graphdef, state, _ = gemma.abstract_model(spec, mesh)
     return cls(graphdef, (mesh_lib.placed(state, mesh),), mesh, tokenizer,
                cfg.train.head_chunk, t)
 

@@ -39,7 +39,7 @@ from reasoner import mesh as mesh_lib
 from reasoner.build import build, judged, taught
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.engine import heads
-from reasoner.engine.sampler import Sampler, SamplingConfig, on_own_chips, placed_alike
+from reasoner.engine.sampler import Sampler, SamplingConfig, on_own_chips
 from reasoner.engine.teacher import Teacher
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.load import spec_without_checkpoint
@@ -238,7 +238,7 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   if sampler.layout != "train":  # the base's copy in the decode layout, held through training
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                        for x, w in zip(jax.tree.leaves(args[0][-1]), jax.tree.leaves(setup.base))
-                       if not placed_alike(w.sharding, x.sharding, len(x.shape)))
+                       if not mesh_lib.placed_alike(w.sharding, x.sharding, len(x.shape)))
   return out
 
 

@@ -174,8 +174,7 @@ class Judge:
       return cls(cfg, setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh)
     mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
     tokenizer, spec = load.spec_without_checkpoint(cfg.model)
-    with jax.set_mesh(mesh):
-      graphdef, state = nnx.split(nnx.eval_shape(lambda: gemma.new_model(spec, 0)))
+    graphdef, state, _ = gemma.abstract_model(spec, mesh)
     return cls(cfg, graphdef, (mesh_lib.placed(state, mesh),), tokenizer, mesh)
 
   def abstract_inputs(self) -> tuple:
