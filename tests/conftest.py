@@ -8,11 +8,14 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One compilation cache for the session, inherited by the runs the tests start as processes:
-# most of those (resume, faults, sessions, export) compile the same tiny programs, and tests in
-# several modules the same embedded ones. Every program is kept (no minimum compile time or
-# size); a size limit turns on the cache's file lock, so that one process never reads an entry
-# another is still writing. Removed when the session ends.
+import jax  # noqa: E402  (this process's settings are read now: the cache below is its children's)
+
+# One compilation cache for the session's child processes: most of the runs the tests start
+# (resume, faults, sessions, export, SFT) compile the same tiny programs (tests/test_faults.py +
+# tests/test_resume.py: 679 s -> 339 s). Not this process's own: the cache's key and write for
+# every program, eager references included, made in-process tests slower than the few compiles
+# they share (the SFT dense reference 29 s -> 120 s). Every program is kept; a size limit turns
+# on the cache's file lock, so that no process reads an entry another is still writing.
 _CACHE = tempfile.mkdtemp(prefix="reasoner-test-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 for key, value in {"JAX_COMPILATION_CACHE_DIR": _CACHE,
@@ -50,7 +53,6 @@ def shard_fraction(arr) -> float:
 def dense_grade_probs(model, tokenizer, texts, grades):
   """[n, K] a judge's probabilities of the K one-token `grades` among themselves after each
   text: one prompt at a time, no padding, from the full vocabulary's logits."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
 
