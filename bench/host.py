@@ -48,8 +48,8 @@ def run() -> None:
   """In the subprocess with 8 fake devices: the figures, written."""
   import jax
 
-  from reasoner.build import build
   from reasoner import mesh as mesh_lib
+  from reasoner.build import build
   from reasoner.config import load_config
   from reasoner.engine import lora as lora_lib, sampler as sampler_lib
 
