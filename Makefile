@@ -8,6 +8,9 @@ ARGS   ?=
 BENCH  ?=
 PRESET ?= gemma3_1b
 DEVICES ?= 8
+# `make test` runs its files on this many pytest processes (a file's tests stay together, so
+# its shared builds are built once): `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup train sft prefer distill general eval sample test multihost bench notebook rehearse soak clean
 
@@ -58,7 +61,7 @@ sample: $(STAMP)
 	$(PY) -m reasoner sample --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The whole loop on 4 processes x 2 devices (a decode layout, resume, export), a teacher and a
 # judge across two hosts, each against one process of 8 devices (about 8 minutes).

@@ -8,21 +8,29 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (this process's settings are read now: the cache below is its children's)
-
 # One compilation cache for the session's child processes: most of the runs the tests start
 # (resume, faults, sessions, export, SFT) compile the same tiny programs (tests/test_faults.py +
 # tests/test_resume.py: 679 s -> 339 s). Not this process's own: the cache's key and write for
 # every program, eager references included, made in-process tests slower than the few compiles
 # they share (the SFT dense reference 29 s -> 120 s). Every program is kept; a size limit turns
 # on the cache's file lock, so that no process reads an entry another is still writing.
-_CACHE = tempfile.mkdtemp(prefix="reasoner-test-xla-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-for key, value in {"JAX_COMPILATION_CACHE_DIR": _CACHE,
-                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-                   "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}.items():
-  os.environ.setdefault(key, value)
+# `make test`'s pytest-xdist workers inherit the first process's cache (and hide it from their
+# own jax the same way); only the process that made it deletes it.
+_CACHE_KEYS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE")
+_INHERITED = os.environ.get("REASONER_TEST_XLA_CACHE")
+_HIDDEN = {k: os.environ.pop(k) for k in _CACHE_KEYS if _INHERITED and k in os.environ}
+
+import jax  # noqa: E402,F401  (this process's settings are read now: the cache is its children's)
+
+if _INHERITED:
+  os.environ.update(_HIDDEN)
+else:
+  _CACHE = tempfile.mkdtemp(prefix="reasoner-test-xla-cache-")
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ["REASONER_TEST_XLA_CACHE"] = _CACHE
+  for key, value in zip(_CACHE_KEYS, (_CACHE, "0", "-1", str(8 << 30))):
+    os.environ.setdefault(key, value)
 
 import pathlib  # noqa: E402
 
