@@ -18,15 +18,15 @@ from conftest import ROOT
 from reasoner import mesh as mesh_lib
 from reasoner.engine import heads
 from reasoner.config import MeshConfig, ModelConfig
-from reasoner.models import gemma, gguf
+from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 
 REF = json.loads((ROOT / "tests" / "gguf_reference_logits.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def ckpt():
-  return gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
+def ckpt():  # the process's one read of the file (about 12 s), shared with every embedded build
+  return load.embedded()[0]
 
 
 def test_tokenizer_ids(ckpt):

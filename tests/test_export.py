@@ -20,7 +20,7 @@ from reasoner import export, mesh as mesh_lib
 from reasoner.engine import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
-from reasoner.models import gemma, gguf
+from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 from test_kaggle import TOKENS, gemma2_spec, logits
 
@@ -153,7 +153,7 @@ def test_embedded_export_matches_tunix_and_the_gguf(tmp_path):
   zero = export.merged(setup.graphdef, setup.lora, setup.base, scale)
   export.write_safetensors(tmp_path / "m.safetensors", export.hf_tensors(zero), zero)
   st = load_file(str(tmp_path / "m.safetensors"))
-  ck = gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
+  ck = load.embedded()[0]  # the file `build` read
   assert len(st) == len(ck._tensors)
   for name, value in st.items():
     ref = ck.tensor(_gguf_name(name))
