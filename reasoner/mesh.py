@@ -134,16 +134,21 @@ def placed_alike(a, b, ndim: int) -> bool:
   return getattr(a, "mesh", None) == b.mesh and a.is_equivalent_to(b, ndim)
 
 
-def moved(state: Any, shardings: Any) -> Any:
+def moved(state: Any, shardings: Any, exact: bool = False) -> Any:
   """`state` placed by `shardings` (a tree of its structure): an array placed so already is
   itself, never a copy (a whole base in the replicated decode layout); the others are moved in
   one batched call (the LoRA moves every step: a call an array took 13.6 ms for the embedded
-  270M's 216 arrays on 8 XLA:CPU devices, one call 7.6)."""
+  270M's 216 arrays on 8 XLA:CPU devices, one call 7.6). `exact`: an array placed only
+  equivalently is moved too, by an identity compiled to the shardings, so that each takes
+  exactly its own: the LoRA's placement by rule, which the planner's abstract build (placed by
+  the rules) must match."""
   leaves, tree = jax.tree.flatten(state)
   want = tree.flatten_up_to(shardings)
   move = [i for i, (x, s) in enumerate(zip(leaves, want))
-          if not placed_alike(x.sharding, s, x.ndim)]
-  for i, x in zip(move, jax.device_put([leaves[i] for i in move], [want[i] for i in move])):
+          if (x.sharding != s if exact else not placed_alike(x.sharding, s, x.ndim))]
+  xs, ss = [leaves[i] for i in move], [want[i] for i in move]
+  for i, x in zip(move, jax.jit(lambda t: t, out_shardings=ss)(xs) if exact else
+                  jax.device_put(xs, ss)):
     leaves[i] = x
   return tree.unflatten(leaves)
 

@@ -56,23 +56,11 @@ def apply_lora(model: nnx.Module, cfg: LoraConfig, mesh: Mesh, seed: int) -> nnx
   lora = nnx.state(lora_model, nnx.LoRAParam)
   if not jax.tree.leaves(lora):
     raise ValueError(f"lora.module_path {cfg.module_path!r} matched no projection of the model")
-  nnx.update(lora_model, _by_rule(nnx.state(lora_model), mesh))
+  # the LoRA weights and, with `base_qtype`, the quantised kernels qwix computed, placed by
+  # exactly their rules (the float base, placed so already, is left as it is, never copied)
+  state = nnx.state(lora_model)
+  nnx.update(lora_model, mesh_lib.moved(state, mesh_lib.shardings(state, mesh), exact=True))
   return lora_model
-
-
-def _by_rule(state, mesh: Mesh):
-  """`state` with the arrays not placed as their rule says resharded on their devices, in one
-  jitted call: the LoRA weights and, with `base_qtype`, the quantised kernels qwix computed (a
-  weight placed already, the float base, is left as it is, never copied). Each moved array
-  takes exactly its rule's sharding, not only an equivalent one (`mesh.moved`'s test): the
-  planner's abstract build places them by the rules, and a run must match it."""
-  leaves, tree = jax.tree.flatten(state)
-  want = tree.flatten_up_to(mesh_lib.shardings(state, mesh))
-  move = [i for i, (x, s) in enumerate(zip(leaves, want)) if x.sharding != s]
-  moved = jax.jit(lambda xs: xs, out_shardings=[want[i] for i in move])([leaves[i] for i in move])
-  for i, x in zip(move, moved):
-    leaves[i] = x
-  return jax.tree.unflatten(tree, leaves)
 
 
 def split(model: nnx.Module):
