@@ -201,8 +201,9 @@ def attention_over_rows(num_kv_heads: int, mesh: Mesh) -> bool:
   otherwise hold and read the whole KV cache of the group's rows (Gemma 3 1B, one KV head:
   at 32 rows x 1024 slots more bytes a token than the chip's share of the weights). Over rows,
   each chip holds and reads its own rows' cache; the attention weights are then whole on
-  every chip (`decode_shardings`) and one all-gather of the rows' outputs a layer replaces
-  the all-reduce after the attention's output projection."""
+  every chip (`decode_shardings`), the residual stream stays on each chip's rows, and a layer
+  takes an all-gather of the MLP's input and an all-to-all of its output's shares
+  (`models.decode`) instead of two all-reduces."""
   return mesh.shape["tp"] > 1 and num_kv_heads % mesh.shape["tp"] != 0
 
 

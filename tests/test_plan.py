@@ -290,9 +290,10 @@ def test_auto_decode_layout_is_the_fastest_whose_weights_fit_a_quarter_of_a_chip
 
 def test_attention_over_rows_keeps_two_collectives_a_layer():
   """The tiny model (one KV head) decoding in tp4 on 8 CPU devices: attention runs over each
-  chip's own rows (its cache's rows split over all 8 chips), and a decoded token still takes at
-  most two collectives a layer (the attention's all-gather, the MLP's all-reduce) and two more
-  (the head's candidates, "all done?"), none of them vocabulary-sized."""
+  chip's own rows (its cache's rows split over all 8 chips), the residual stream stays on them,
+  and a decoded token takes two collectives a layer (the MLP's input gathered, its output's
+  shares sent to their rows' chips: an all-to-all; the last layer's output reduced whole for
+  the head) and two more (the head's candidates, "all done?"), none of them vocabulary-sized."""
   from reasoner.build import build
   from reasoner.models.cache import kv_cache_bytes
 
@@ -301,9 +302,12 @@ def test_attention_over_rows_keeps_two_collectives_a_layer():
   layers, t = setup.spec.num_layers, setup.spec.tunix_config
   assert r.layout == "tp4" and 0 < r.token.num_collectives <= 2 * layers + 2
   assert max(c.bytes for c in r.token.collectives) < 16 * t.num_embed * 4 / 2  # [16, V] f32
-  gathers = [n for c, n in r.token.collectives.items() if c.kind == "all-gather" and c.group == 4
-             and c.bytes == 8 * t.embed_dim * 4]  # a tp group's 8 rows' f32 outputs, one a layer
-  assert sum(gathers) == layers
+  rows = 8 * t.embed_dim * 4  # a tp group's 8 rows' f32 activations
+  count = lambda kind: sum(n for c, n in r.token.collectives.items()
+                           if c.kind == kind and c.group == 4 and c.bytes == rows)
+  assert count("all-gather") == layers  # each MLP's input
+  assert count("all-to-all") == layers - 1  # each MLP's output to its rows' chips, but the last
+  assert count("all-reduce") == 1  # the last layer's, whole for the head
   mesh = mesh_lib.decode_mesh(setup.mesh, "tp4")
   args = (t, 4, 4, 64, setup.cfg.rollout.max_new_tokens, setup.cfg.model.dtype, mesh, True)
   assert r.kv_cache == kv_cache_bytes(*args, over_rows=True) < kv_cache_bytes(*args)

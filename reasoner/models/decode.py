@@ -19,7 +19,11 @@ Over rows. Where 'tp' cannot split the KV heads (`mesh.attention_over_rows`), at
 on each chip's own rows (`_over_rows`, a shard_map with no collective inside): its cache's
 rows are split over every chip, not copied on each chip of a tp group, and each chip finds its
 rows' prompts in the prompts its 'fsdp' block holds. The projections run on those rows with
-the attention's whole weights; the output comes back to rows over 'fsdp' (one all-gather).
+the attention's whole weights. The residual stream stays on each chip's own rows too: the MLP
+(`_mlp_over_rows`, Megatron-style over 'tp') gathers its input's rows (one all-gather) and
+sends each chip its rows' shares of the down projection's sum (one all-to-all), so a layer
+takes two collectives of a ring's n - 1 steps, where an all-reduce after the MLP took 2 (n - 1);
+the last layer's sum is whole on each chip (an all-reduce) for the head.
 
 The forward is Tunix's `Attention.block` / `DecoderLayer` for one token (norms, rotary
 embedding, masked logits, float32 softmax, output projection, MLP) on the layer's own modules,
@@ -35,7 +39,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from reasoner import mesh as mesh_lib
 
 KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
 
@@ -156,7 +163,37 @@ def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask, mesh:
   if mesh is not None:
     core = _over_rows(core, mesh, q.shape[0] // prompt[0].shape[1])
   new, encoded = core(q, k, v, prompt, new, step, prompt_mask)
-  return new, pin(attn.attn_vec_einsum(encoded), P("fsdp"))
+  return new, pin(attn.attn_vec_einsum(encoded), P(("fsdp", "tp")))
+
+
+def _mlp_over_rows(layer, x: jax.Array, mesh: Mesh, last: bool) -> jax.Array:
+  """The MLP half of Tunix's `DecoderLayer` (norms, `FeedForward`, residual) on x [R, 1, D]
+  whose rows are split over ('fsdp', 'tp'), the MLP's kernels (and their LoRA) Megatron-style
+  over 'tp' as `mesh.decode_shardings` places them: each chip gathers its tp group's rows,
+  applies its share of the hidden units (qwix's LoRA included: its down projection's share is
+  a share of the sum too) and receives its own rows' shares from every chip of the group (an
+  all-to-all), summed in float32; the output's rows are split as x's. `last`: the sum whole on
+  each chip of the group instead (one all-reduce), as the head takes it. XLA turned an
+  explicit reduce-scatter (`psum_scatter`) into an all-reduce and a slice; an all-to-all it
+  keeps."""
+  modules = (layer.pre_ffw_norm, layer.mlp, layer.post_ffw_norm)
+  graphdef, state = nnx.split(modules)
+  specs = jax.tree.map(lambda s: s.spec, mesh_lib.decode_shardings(state, mesh))
+  rows, tp = P(("fsdp", "tp")), mesh.shape["tp"]
+
+  def local(state, x_rows):
+    pre, mlp, post = nnx.merge(graphdef, state)
+    x = jax.lax.all_gather(x_rows, "tp", axis=0, tiled=True)
+    h = pre(x)
+    part = mlp.down_proj(nnx.gelu(mlp.gate_proj(h)) * mlp.up_proj(h))  # this chip's share
+    if last:
+      return post(jax.lax.psum(part, "tp")) + x
+    shares = jax.lax.all_to_all(part.reshape(tp, *x_rows.shape[:-1], part.shape[-1]), "tp",
+                                0, 0)
+    return post(jnp.sum(shares.astype(jnp.float32), axis=0).astype(part.dtype)) + x_rows
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs, rows),
+                       out_specs=P("fsdp") if last else rows, check_vma=False)(state, x)
 
 
 def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
@@ -167,17 +204,26 @@ def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
   the step's keys and values written. Called through the model's `hidden_states(...,
   step=)`, the method qwix intercepts for LoRA. `mesh`: attention over each chip's own rows
   (the cache's new part split as `mesh.decode_rows` says, ('fsdp', 'tp'))."""
-  # over rows: the residual stream pinned to rows over 'fsdp', whole on each chip of a tp group
-  # (the MLP's and the head's input); left to XLA it took the attention's rows over 'tp', and
-  # every layer gathered the MLP's input and its LoRA's products again
-  pin = (lambda a: a) if mesh is None else (
-      lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("fsdp"))))
-  x = pin(model.embedder.encode(tokens))
-  new = {}
+  # over rows: the residual stream on each chip's own rows, as the attention takes and leaves
+  # them; the MLP half gathers them and sends each chip its rows' sums (`_mlp_over_rows`), the
+  # last layer's whole on each chip of a tp group, as the head takes them (the vocabulary is
+  # split over 'tp'). The token ids and their embeddings are whole there too: left to XLA, the
+  # lookup took a row's ids to its chip and gathered them back, and the sampling and the loop's
+  # "all done?" took a collective each.
+  def place(spec):
+    return (lambda a: a) if mesh is None else (
+        lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec)))
+
+  rows, whole = place(P(("fsdp", "tp"))), place(P("fsdp"))
+  x = rows(whole(model.embedder.encode(whole(tokens))))
+  new, last = {}, len(model.layers) - 1
   for i, layer in enumerate(model.layers):
     name = f"layer_{i}"
     new[name], out = _attention(layer.attn, layer.pre_attention_norm(x), positions,
                                 cache.prompt[name], cache.new[name], step, prompt_mask, mesh)
-    x = pin(layer.post_attention_norm(out) + x)
-    x = pin(layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x)
-  return pin(model.final_norm(x)), Cache(cache.prompt, new)
+    x = rows(layer.post_attention_norm(out) + x)
+    if mesh is None:
+      x = layer.post_ffw_norm(layer.mlp(layer.pre_ffw_norm(x))) + x
+    else:
+      x = _mlp_over_rows(layer, x, mesh, i == last)
+  return whole(model.final_norm(x)), Cache(cache.prompt, new)

@@ -53,10 +53,13 @@ def decode_estimate(setup, tp: int, chip: Chip) -> dict[str, float]:
   hidden = lambda kind: collective_seconds(Collective(kind, tp, rows * t.embed_dim * 4), chip)
   topk = Collective("all-gather", tp, rows * tp * (cfg.rollout.top_k or 1) * 8)
   weights = copy_bytes(setup, setup.base, tp) + copy_bytes(setup, setup.lora, tp)
-  attention = hidden("all-gather" if over_rows else "all-reduce")  # its output, a layer
+  if over_rows:  # the MLP's input gathered, its output's shares sent to their rows' chips
+    layers = (t.num_layers * (hidden("all-gather") + hidden("all-to-all"))  # (the last layer's
+              - hidden("all-to-all") + hidden("all-reduce"))  # reduced whole for the head)
+  else:  # the attention's output and the MLP's reduced
+    layers = t.num_layers * 2 * hidden("all-reduce")
   return {"HBM": (weights + kv) / chip.bandwidth,
-          "interconnect": t.num_layers * (attention + hidden("all-reduce"))
-          + collective_seconds(topk, chip)}
+          "interconnect": layers + collective_seconds(topk, chip)}
 
 
 SHARE = 4  # an auto placement may put at most 1 / SHARE of a chip's memory into weights
