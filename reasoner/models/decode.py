@@ -137,16 +137,22 @@ def _over_rows(core, mesh: Mesh, g: int):
                        out_specs=((slots(rows),) * 2, rows))
 
 
+def _placed(mesh: Mesh | None, spec: P):
+  """a -> a constrained to `spec` on `mesh` (unchanged without one: no attention over rows)."""
+  if mesh is None:
+    return lambda a: a
+  return lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
 def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask, mesh: Mesh | None):
   """Tunix's `Attention.block` for one token per row: x [B, 1, D]; the row's new key and value
   go to slot `step` of `new`. With `mesh`, over each chip's own rows (`_over_rows`): the
-  projections too, on the attention's whole weights; the output comes back to rows over
-  'fsdp' (one all-gather over 'tp')."""
+  projections too, on the attention's whole weights; the output stays on those rows (the
+  residual stream's placement, `hidden_states`)."""
   from tunix.models.gemma3 import model as gemma3_lib
 
-  pin = lambda a, spec: a if mesh is None else jax.lax.with_sharding_constraint(
-      a, NamedSharding(mesh, spec))
-  x = pin(x, P(("fsdp", "tp")))
+  rows = _placed(mesh, P(("fsdp", "tp")))
+  x = rows(x)
   if attn.use_qkv_einsum:
     q, k, v = attn.qkv_einsum(x)
   else:
@@ -163,7 +169,7 @@ def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask, mesh:
   if mesh is not None:
     core = _over_rows(core, mesh, q.shape[0] // prompt[0].shape[1])
   new, encoded = core(q, k, v, prompt, new, step, prompt_mask)
-  return new, pin(attn.attn_vec_einsum(encoded), P(("fsdp", "tp")))
+  return new, rows(attn.attn_vec_einsum(encoded))
 
 
 def _mlp_over_rows(layer, x: jax.Array, mesh: Mesh, last: bool) -> jax.Array:
@@ -210,11 +216,7 @@ def hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: Cache,
   # split over 'tp'). The token ids and their embeddings are whole there too: left to XLA, the
   # lookup took a row's ids to its chip and gathered them back, and the sampling and the loop's
   # "all done?" took a collective each.
-  def place(spec):
-    return (lambda a: a) if mesh is None else (
-        lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec)))
-
-  rows, whole = place(P(("fsdp", "tp"))), place(P("fsdp"))
+  rows, whole = _placed(mesh, P(("fsdp", "tp"))), _placed(mesh, P("fsdp"))
   x = rows(whole(model.embedder.encode(whole(tokens))))
   new, last = {}, len(model.layers) - 1
   for i, layer in enumerate(model.layers):
