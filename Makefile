@@ -12,7 +12,7 @@ DEVICES ?= 8
 # its shared builds are built once): `make test TEST_WORKERS=0` runs them in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup train sft prefer distill general eval sample test multihost bench notebook rehearse soak clean
+.PHONY: setup train sft prefer distill general eval sample test check docs multihost bench notebook rehearse soak clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,16 @@ sample: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# The quick tier, after every change (a few minutes): pyflakes, the package's own rules and the
+# tests that load no model and start no process (those marked slow are left to `make test`).
+check: $(STAMP)
+	$(PY) -m pyflakes reasoner tests bench tools
+	$(PY) -m pytest tests -m "not slow and not multihost" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# docs/configuration.md, generated from the typed config (a test fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m reasoner config --docs docs/configuration.md
 
 # The whole loop on 4 processes x 2 devices (a decode layout, resume, export), a teacher and a
 # judge across two hosts, each against one process of 8 devices (about 8 minutes).

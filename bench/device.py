@@ -121,7 +121,7 @@ def planned(result: dict, folder: pathlib.Path) -> dict:
   """Each part's plan from the programs that ran (`folder`: the case's XLA dump), the step as
   `plan.step_seconds` adds them, with the chip table of the device that ran them."""
   from reasoner.config import load_config
-  from reasoner.planner import chips
+  from reasoner import chips
   from reasoner.planner.hlo import analyse
   from reasoner.planner.plan import StepPlan, step_seconds
 

@@ -43,7 +43,7 @@ import pathlib
 import types
 
 from bench import common
-from reasoner.planner.chips import SESSION
+from reasoner.chips import SESSION
 from bench.rollout_tpu import TUNIX_MESHES, tunix_rollout
 
 PROMPTS = 4

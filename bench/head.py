@@ -130,7 +130,8 @@ def _micro_base(rows, remat) -> int:
 def _compiled(rows, remat, name, batch, setup, chip, loss=None, micro=None) -> dict:
   """One row: the run's train step (`plan.train_plan`) or the reference `loss` step over the
   same abstract inputs, state donated as in `Trainer.step`."""
-  from reasoner.planner import chips, plan
+  from reasoner import chips
+  from reasoner.planner import plan
   from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
   t0 = time.perf_counter()
@@ -258,7 +259,7 @@ def main() -> None:
 
 def report(rows: list[dict], times: dict, scan: float, method: str, **extra) -> None:
   """Goals and bench/results/head.json from (a)'s rows, (b)'s times and the scan check."""
-  from reasoner.planner import chips
+  from reasoner import chips
 
   summary = summarise(rows, chips.CHIPS["v5e"].hbm / chips.GiB)  # the v5e:2x4 target above
   ratio = times["fused_s"] / times["dense_s"]

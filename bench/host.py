@@ -51,7 +51,8 @@ def run() -> None:
   from reasoner import mesh as mesh_lib
   from reasoner.build import build
   from reasoner.config import load_config
-  from reasoner.engine import lora as lora_lib, sampler as sampler_lib
+  from reasoner.engine import sampler as sampler_lib
+  from reasoner.models import lora as lora_lib
 
   cfg = load_config(CONFIG, OVERRIDES)
   setup = build(cfg)

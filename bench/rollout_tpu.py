@@ -109,7 +109,8 @@ def _row(prompts: int, layout: str, r, total: int, chip) -> dict:
 
 
 def main() -> None:
-  from reasoner.planner import layout as layout_lib, plan
+  from reasoner.engine import layout as layout_lib
+  from reasoner.planner import plan
   from reasoner.build import build
   from reasoner.config import load_config
 

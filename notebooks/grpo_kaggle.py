@@ -127,7 +127,8 @@ print(prompts.render(cfg.data.template, "A baker made 24 rolls and sold 9. How m
 # `<run_name>-sft`; GRPO then starts from its LoRA (`lora.init_from`). SFT teaches the format
 # and the method from written examples; GRPO then reinforces what the model itself samples.
 # On the embedded 270M, 32 SFT steps took held-out accuracy from 0 to 0.81 on a prompt without
-# examples, where 16 GRPO steps alone reached 0.70 with a two-shot prompt (README).
+# examples, where 16 GRPO steps alone reached 0.70 with a two-shot prompt (both in-template:
+# held out by record, docs/sft.md).
 #
 # With `PREFER` set, a preference stage follows (`<run_name>-prefer`, from the SFT LoRA where
 # there is one), with the preset's `prefer` section (`PREFER = []`) or overrides of it. Pairs
@@ -190,6 +191,16 @@ nb.show_plot(run.writer.plot())
 after = run.evaluate_after()
 summary, pairs = nb.compare(run)
 summary
+
+# %% [markdown]
+# ### What changed, with its noise
+# Each evaluation set's change from before training, paired by question (the standard error is
+# that of the per-question differences): the held-out split, and the retention set, what the
+# model could already do before training. A retention set that fell beyond noise is marked, and
+# the run printed one warning line about it.
+
+# %%
+nb.changes(run.results)
 
 # %% [markdown]
 # ### Completions before and after, on the same held-out questions

@@ -17,10 +17,10 @@ from flax import nnx
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.data import curriculum, prompts, sources
-from reasoner.engine import lora as lora_lib
+from reasoner.engine import layout
 from reasoner.engine.teacher import Teacher
+from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
-from reasoner.planner import layout
 from reasoner.rewards import judge as judge_lib
 from reasoner.rewards.judge import Judge
 from reasoner.rewards.scoring import Rewards
@@ -59,7 +59,7 @@ class Setup:
   # reference policy of DPO and of GRPO's KL is the base under it
   reference: object | None = None
   weights: str = "sharded"  # the training weights' placement (`mesh.weights`, auto resolved)
-  weights_why: str = ""  # and why (`planner.layout.weights_placement`'s reason)
+  weights_why: str = ""  # and why (`engine.layout.weights_placement`'s reason)
 
   def model(self, lora=None):
     return nnx.merge(self.graphdef, self.lora if lora is None else lora, self.base)
@@ -208,7 +208,7 @@ def _split_per_host(devices: list, hosts: list[int], j: int, t: int) -> Devices:
 
 def placement(cfg: Config, mesh: jax.sharding.Mesh, base, hbm: int | None) -> tuple[str, str]:
   """The training weights' placement (`mesh.weights`, auto resolved by
-  `planner.layout.weights_placement` for `base` on chips of `hbm` bytes) and why, logged where
+  `engine.layout.weights_placement` for `base` on chips of `hbm` bytes) and why, logged where
   auto had a choice (several chips of known memory)."""
   weights, why = layout.weights_placement(cfg.mesh.weights, mesh.size, layout.nbytes(base),
                                           hbm)

@@ -1,4 +1,4 @@
-"""`python -m reasoner train|sft|prefer|distill|eval|sample|plan|export --config FILE
+"""`python -m reasoner train|sft|prefer|distill|eval|sample|plan|export|config --config FILE
 [key=value ...]`: parse, build, call."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import pathlib
 import shlex
 import signal
 import sys
+
+import yaml
 
 from reasoner.config import ConfigError, load_config
 from reasoner.errors import UserError, write_error
@@ -35,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                      ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
                               "time on this machine"),
                      ("export", "the run's LoRA merged into the base, as a Kaggle Flax checkpoint "
-                                "Tunix loads (and Hugging Face safetensors)")):
+                                "Tunix loads (and Hugging Face safetensors)"),
+                     ("config", "print the preset as resolved (with its overrides); --docs: "
+                                "write the configuration reference")):
     c = sub.add_parser(name, help=text)
     c.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (configs/)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
@@ -51,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
       c.add_argument("--ahead", action="store_true",
                      help="also every split of the chips into rollout.devices and training, "
                           "each compiled, and the fastest")
+    if name == "config":
+      c.add_argument("--docs", nargs="?", const="docs/configuration.md", default=None,
+                     metavar="PATH", help="write the reference of every key (default "
+                     "docs/configuration.md) instead")
     if name == "export":
       c.add_argument("--out", required=True, help="a new (or empty) directory")
       c.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -80,6 +88,22 @@ def _say(text: str) -> None:
   """One write: a background thread printing meanwhile cannot split the line."""
   sys.stderr.write(text)
   sys.stderr.flush()
+
+
+def _config(args) -> None:
+  """`reasoner config`: the preset as resolved, as YAML; or, with --docs, the reference."""
+  from reasoner.config import Config, reference
+
+  if args.docs:
+    path = pathlib.Path(args.docs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(reference.markdown(Config))
+    _say(f"wrote {path}\n")
+    return
+  plain = lambda v: ([plain(x) for x in v] if isinstance(v, (list, tuple)) else
+                     {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v)
+  print(yaml.safe_dump(plain(load_config(args.config, args.overrides).to_dict()),
+                       sort_keys=False, width=100), end="")
 
 
 def _run(args, cfg, argv: list[str]) -> None:
@@ -140,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args, argv: list[str], debug: bool) -> int:
   """main's body: the errors a user sees, each one line (`errors`), and the exit status."""
   try:
+    if args.command == "config":
+      _config(args)
+      return 0
     cfg = load_config(args.config, args.overrides)
     _run(args, cfg, argv)
   except (UserError, FileNotFoundError, FloatingPointError) as e:

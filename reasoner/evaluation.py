@@ -70,14 +70,51 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
     correct += rewards_lib.accuracy(comps.texts, answers).tolist()
     fmt += rewards_lib.format_exact(prompts, comps.texts)
     rows += [{"question": r["question"], "answer": r["answer"], "category": r.get("category"),
-              "completion": t, "reward": float(v)} for r, t, v in zip(chunk, comps.texts, total)]
+              "completion": t, "reward": float(v)}
+             for r, t, v in zip(chunk, comps.texts, total)]
+  for row, c in zip(rows, correct):
+    row["correct"] = None if math.isnan(c) else float(c)
   result = {"mean_reward": float(np.mean(totals)), "accuracy": rewards_lib.nan_mean(correct),
             "format_rate": float(np.mean(fmt)), "n": len(records),
+            "mean_reward_se": standard_error(totals), "accuracy_se": standard_error(correct),
+            "format_rate_se": standard_error(fmt),
             **by_category(totals, [r.get("category") for r in records]),
             **setup.rewards.take_timeouts()}  # this evaluation's, not the next step's
   if cfg.eval.samples:
     result.update(sampled(setup, sampler, lora, records))
   return result, rows
+
+
+def standard_error(values) -> float:
+  """The standard error of the mean of `values` (NaNs left out): sample std / sqrt(n); NaN
+  below two values."""
+  v = np.asarray(values, float)
+  v = v[~np.isnan(v)]
+  return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def paired_change(before: list[dict], after: list[dict]) -> dict | None:
+  """The change of one evaluation set from `before` to `after` (rows of `evaluate`), paired by
+  question: accuracy where the rows have reference answers, else the mean reward; the
+  difference's standard error is that of the per-question differences, so what the two share
+  (a question's difficulty) cancels. None where no question is in both."""
+  theirs = {r["question"]: r for r in before}
+  pairs = [(theirs[r["question"]], r) for r in after if r["question"] in theirs]
+  if not pairs:
+    return None
+  metric = ("accuracy" if all(a.get("correct") is not None and b.get("correct") is not None
+                              for b, a in pairs) else "mean_reward")
+  key = "correct" if metric == "accuracy" else "reward"
+  b, a = (np.asarray([p[k][key] for p in pairs], float) for k in (0, 1))
+  return {"metric": metric, "n": len(pairs), "before": float(b.mean()),
+          "after": float(a.mean()), "change": float((a - b).mean()),
+          "se": standard_error(a - b)}
+
+
+def describe_change(name: str, c: dict) -> str:
+  """'retention (256): accuracy 0.604 -> 0.406 (-0.198 +/- 0.035 SE, paired)'."""
+  return (f"{name} ({c['n']}): {c['metric'].replace('_', ' ')} {c['before']:.3f} -> "
+          f"{c['after']:.3f} ({c['change']:+.3f} +/- {c['se']:.3f} SE, paired)")
 
 
 def by_category(totals: list[float], categories: list) -> dict[str, float]:
@@ -122,9 +159,10 @@ def print_eval(tag: str, result: dict, rows: list, n_samples: int, name: str = "
     return
   extra = "".join(f"  {k} {v:.3f}" for k, v in result.items()
                   if k.startswith("pass@") or k == "majority")
+  se = lambda k: f" +/- {result[k + '_se']:.3f}" if result.get(k + "_se", math.nan) > 0 else ""
   tqdm.write(f"[{tag}] {name} ({result['n']}): mean reward {result['mean_reward']:.3f}  "
-             f"accuracy {result['accuracy']:.3f}  format rate {result['format_rate']:.3f}"
-             f"{extra}")
+             f"accuracy {result['accuracy']:.3f}{se('accuracy')}  format rate "
+             f"{result['format_rate']:.3f}{extra}")
   for what in ("mean_reward", "win_rate"):
     cats = [f"{k.split('/', 1)[1]} {v:.3f}" for k, v in result.items()
             if k.startswith(f"{what}/")]

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
+from reasoner.config.loop import parse_deadline
 from reasoner.engine import manifest, metrics as metrics_lib, session
 from reasoner.engine.ahead import Ahead
 from reasoner.engine.checkpoint import (Checkpointer, find_checkpoints, load_reference,
@@ -35,7 +36,7 @@ from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler
 from reasoner.engine.trainer import Stage, checkpoint_tree
 from reasoner.errors import RewardInterrupted, RewardTimeout, write_error
-from reasoner.evaluation import evaluate_all
+from reasoner.evaluation import describe_change, evaluate_all, paired_change
 from reasoner.mesh import agreed, largest
 from reasoner.objectives import distill, grpo, preference, sft
 
@@ -77,7 +78,7 @@ class Run:
     if cfg.rollout.devices and kind.draw is None:
       raise ConfigError(f"config key 'rollout.devices' = {cfg.rollout.devices}: the {stage} "
                         "stage samples no rollouts (GRPO and distillation do)")
-    deadline = session.parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
+    deadline = parse_deadline(cfg.train.deadline) if cfg.train.deadline else None
     self.clock = session.Clock(deadline, cfg.train.checkpoint_minutes)
     if self.clock.left() <= 0:
       raise ConfigError(f"config key 'train.deadline' = {cfg.train.deadline!r}: already past "
@@ -144,10 +145,10 @@ class Run:
       self.step, self.state = self._loop(self.state, received)
     if received:
       name = signal.Signals(received[0]).name
-      self.results["stopped"] = (f"{name}: saved step {self.step} of {self.cfg.train.steps} in "
-                                 f"{self.path / 'checkpoints' / str(self.step)}; continue with: "
-                                 f"{self.command or 'the same command'}")
-      raise Interrupted(self.results["stopped"], 128 + received[0])
+      # the line travels in the exception, which the CLI prints (not `close` as well)
+      raise Interrupted(f"{name}: saved step {self.step} of {self.cfg.train.steps} in "
+                        f"{self.path / 'checkpoints' / str(self.step)}; continue with: "
+                        f"{self.command or 'the same command'}", 128 + received[0])
     if not self.stopped:
       return None
     if self.step == self.start:
@@ -162,18 +163,37 @@ class Run:
     tag = f"step-{self.step}" if self.stopped else "after"
     self.results["after"] = evaluate_all(self.setup, self.sampler, self.state.lora, tag,
                                          self.writer, self.step, self.writer.rows("eval-before"))
+    if self.results.get("before") and jax.process_index() == 0:
+      self._changes(tag)
     self.writer.write_json("eval.json", {k: v for k, v in self.results.items()
-                                         if k != "stopped"})
-    before = self.results.get("before")
-    if before and jax.process_index() == 0:
-      after = self.results["after"]
-      for name, b in before.get("sets", {}).items():
-        if name in after.get("sets", {}):
-          tqdm.write(f"{name} mean reward {b['mean_reward']:.3f} -> "
-                     f"{after['sets'][name]['mean_reward']:.3f}")
-      tqdm.write(f"held-out mean reward {before['mean_reward']:.3f} -> "
-                 f"{after['mean_reward']:.3f}; run in {self.path}")
+                                         if k not in ("stopped", "fell")})
     return self.results["after"]
+
+  def _changes(self, tag: str) -> None:
+    """Each evaluation set's paired change from before training (eval.json's "changes"),
+    printed; a retention set that fell beyond noise leaves the run's warning line."""
+    named = {s.name: s for s in self.cfg.eval.sets}
+    changes = {}
+    for name in ("held-out", *named):
+      before = self.writer.rows("eval-before" if name == "held-out" else f"eval-{name}-before")
+      after = self.writer.rows(f"eval-{tag}" if name == "held-out" else f"eval-{name}-{tag}")
+      c = paired_change(before, after)
+      if c is None:
+        continue
+      changes[name] = c
+      label = f"held-out by {self.cfg.data.held_out_by}" if name == "held-out" else (
+          f"{name} (retention)" if named[name].retention else name)
+      tqdm.write(describe_change(label, c))
+      if name in named and named[name].retention and c["change"] < (
+          -self.cfg.eval.retention_se * c["se"]):
+        self.results["fell"] = (
+            f"warning: the retention set '{name}' fell beyond noise, "
+            f"{describe_change(name, c).split(': ', 1)[1]}, more than eval.retention_se = "
+            f"{self.cfg.eval.retention_se:g} standard errors: the run lost some of what the "
+            f"model could do before it")
+        c["fell"] = True
+    self.results["changes"] = changes
+    tqdm.write(f"run in {self.path}")
 
   def close(self) -> pathlib.Path | None:
     """Writes reward.png (returned) and closes the logs and the checkpoint manager."""
@@ -181,8 +201,10 @@ class Run:
     self.writer.close()
     self.ckpt.close()
     session.release(self.path)
-    if "stopped" in self.results and jax.process_index() == 0:
-      tqdm.write(self.results["stopped"])  # last, where the user looks
+    if jax.process_index() == 0:
+      for line in ("fell", "stopped"):  # last, where the user looks
+        if line in self.results:
+          tqdm.write(self.results[line])
     return plot
 
   @contextlib.contextmanager

@@ -18,6 +18,7 @@ import time
 
 from reasoner.engine import session
 from reasoner.config import Config, load_config
+from reasoner.config.loop import parse_deadline
 
 KAGGLE_DEADLINE = "8h30m"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def show_plan(cfg: Config) -> dict:
   plan_report = plan.plan(cfg, topology, search=False)
   print(report.format_report(plan_report))
   step_s = plan.step_seconds(plan_report)
-  deadline = cfg.train.deadline and session.parse_deadline(cfg.train.deadline)
+  deadline = cfg.train.deadline and parse_deadline(cfg.train.deadline)
   if deadline:
     left = deadline - time.time()
     fit = int(left // step_s) if step_s > 0 else cfg.train.steps
@@ -131,6 +132,22 @@ def compare(run, n: int = 6):
                          "reward after": round(by_q[b["question"]]["reward"], 2)}
                         for b in before[:n] if b["question"] in by_q])
   return summary, pairs
+
+
+def changes(results: dict):
+  """Each evaluation set's paired change from before training (eval.json's "changes"): the
+  metric, before, after, the change with its standard error, the problems, and whether a
+  retention set fell beyond noise; None before the evaluation after training."""
+  import pandas as pd
+
+  found = results.get("changes")
+  if not found:
+    print("no paired changes: evaluate before and after training (train.eval_before: true)")
+    return None
+  return pd.DataFrame({name: {"metric": c["metric"], "before": round(c["before"], 3),
+                              "after": round(c["after"], 3), "change": round(c["change"], 3),
+                              "SE": round(c["se"], 3), "n": c["n"], "fell": c.get("fell", False)}
+                       for name, c in found.items()}).T
 
 
 def by_category(results: dict):

@@ -76,3 +76,36 @@ def test_numbers_in_scientific_notation(tmp_path, text, value):
   f = tmp_path / "c.yaml"
   f.write_text(f"optim:\n  learning_rate: {text}\n")
   assert load_config(f).optim.learning_rate == value
+
+
+def test_the_committed_configuration_reference_is_what_the_command_writes(tmp_path):
+  """docs/configuration.md is generated from the typed config (`python -m reasoner config
+  --docs`, `make docs`): edit a field's comment in reasoner/config/ and regenerate."""
+  from reasoner import cli
+  from reasoner.config import Config, reference
+
+  out = tmp_path / "configuration.md"
+  assert cli.main(["config", "--docs", str(out)]) == 0
+  assert out.read_text() == reference.markdown(Config)
+  committed = (ROOT / "docs" / "configuration.md").read_text()
+  assert committed == out.read_text(), "docs/configuration.md is stale: run `make docs`"
+  # every key of every section is in it, with its default and its comment
+  for key, cls in reference.sections(Config):
+    assert f"## `{key}`" in committed
+  assert "| `held_out_by` | 'record' \\| 'template' | `\"record\"` | arithmetic: what the held-out" in committed
+  assert "## `eval.sets[]`" in committed and "## `data.mixture[]`" in committed
+
+
+def test_config_prints_a_preset_as_resolved(capsys):
+  import yaml
+
+  from reasoner import cli
+
+  assert cli.main(["config", "--config", str(ROOT / "configs/tiny.yaml"), "train.steps=7",
+                   "eval.sets=[{name: r, source: jsonl, path: x.jsonl, retention: true}]"]) == 0
+  tree = yaml.safe_load(capsys.readouterr().out)
+  assert tree["train"]["steps"] == 7 and tree["model"]["name"] == "tiny"
+  assert tree["eval"]["sets"][0]["retention"] is True
+  assert tree["grpo"]["beta"] == 0.04 and tree["optim"]["learning_rate"] == 0.001  # the preset
+  assert cli.main(["config", "--config", str(ROOT / "configs/tiny.yaml"), "train.steps=0"]) == 2
+  assert "config key 'train.steps' = 0" in capsys.readouterr().err

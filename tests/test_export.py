@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import ROOT, shard_fraction, tiny_config
 from reasoner import export, mesh as mesh_lib
-from reasoner.engine import lora as lora_lib
+from reasoner.models import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import LoraConfig, MeshConfig
 from reasoner.models import gemma, load

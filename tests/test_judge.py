@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, dense_grade_probs, tiny_config
-from reasoner.engine import lora as lora_lib
+from reasoner.models import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.rewards.judge import Judge

@@ -89,6 +89,48 @@ def test_the_cycle_finder_finds_a_cycle():
   assert _cycle({"a": {"b": 1}, "b": {}, "c": {"a": 1}}) is None
 
 
+# The package's floors, lowest first: a module imports from its own floor and those below,
+# never from one above (not even inside a function). Each entry is a folder or a module of
+# reasoner/, so a new one must be given its floor here.
+FLOORS = (("errors",), ("config",), ("chips", "mesh"), ("models", "data"), ("rewards",),
+          ("engine",), ("objectives",), ("build",), ("evaluation", "planner"),
+          ("loop", "export"), ("notebook", "cli", "__main__"))
+
+
+def _floor(module: str) -> int:
+  part = module.split(".")[1]
+  return next(k for k, names in enumerate(FLOORS) if part in names)
+
+
+def _climbing(graph: dict[str, dict[str, int]]) -> list[str]:
+  """'a (floor i) imports b (floor j > i) at line n' for each import that climbs."""
+  return [f"{a} (floor {_floor(a)}) imports {b} (floor {_floor(b)}) at line {line}"
+          for a, targets in sorted(graph.items()) for b, line in sorted(targets.items())
+          if b != "reasoner" and a != "reasoner" and _floor(b) > _floor(a)]
+
+
+def test_every_part_of_the_package_has_a_floor():
+  parts = {p.stem for p in ROOT.iterdir()
+           if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+  named = {n for names in FLOORS for n in names}
+  assert parts == named, f"without a floor: {sorted(parts - named)}; gone: {sorted(named - parts)}"
+
+
+def test_no_import_climbs_a_floor():
+  graph, _ = _graph()
+  climbing = _climbing(graph)
+  assert not climbing, "\n".join(climbing)
+
+
+def test_the_floor_check_finds_a_climbing_import():
+  """The tree's graph with one import added that climbs (the config imports the loop, as
+  config/loop.py once imported engine/session.py) is caught, naming both floors."""
+  graph, _ = _graph()
+  graph["reasoner.config.loop"] = {**graph["reasoner.config.loop"], "reasoner.engine.session": 9}
+  assert _climbing(graph) == ["reasoner.config.loop (floor 1) imports reasoner.engine.session "
+                              "(floor 5) at line 9"]
+
+
 def test_imports_inside_functions_only_keep_jax_out_of_a_bad_configs_path():
   """A function-level import of a reasoner module is allowed only in the entry points (the CLI
   and the notebook's cells), which load jax after the config is valid."""

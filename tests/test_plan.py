@@ -14,7 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, tiny_config
 from reasoner import mesh as mesh_lib
-from reasoner.planner import chips, hlo, layout as layout_lib, libtpu, plan, report as report_lib
+from reasoner import chips
+from reasoner.engine import layout as layout_lib
+from reasoner.planner import hlo, libtpu, plan, report as report_lib
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -86,7 +88,7 @@ def test_collectives_of_a_sharded_loop_are_counted_once_per_trip_as_in_the_hlo()
                                                sharding=NamedSharding(mesh, P("tp", None)))
                           ).compile().as_text()
   cost = hlo.analyse(text)
-  assert cost.collectives == {hlo.Collective("all-reduce", 2, 4 * 64 * 4): 5}  # [16/4, 64] f32
+  assert cost.collectives == {chips.Collective("all-reduce", 2, 4 * 64 * 4): 5}  # [16/4, 64] f32
   trips, token = cost.decode_loop()
   assert trips == 5 and token.num_collectives == 1
   comps, _ = hlo.parse_hlo(text)  # the HLO's own count: collective ops in the loop's body
@@ -95,7 +97,7 @@ def test_collectives_of_a_sharded_loop_are_counted_once_per_trip_as_in_the_hlo()
   assert sum(op.op == "all-reduce" for op in body.values()) == 1
   assert re.search(r'"known_trip_count":\{"n":"5"', loop.attrs)
   chip = chips.CHIPS["v5e"]  # 2 ring steps of 1 us and 1 KiB over a 90 GB/s link
-  assert chips.collective_seconds(hlo.Collective("all-reduce", 2, 1024), chip) == pytest.approx(
+  assert chips.collective_seconds(chips.Collective("all-reduce", 2, 1024), chip) == pytest.approx(
       2e-6 + 1024 / 9e10)
 
 
@@ -133,8 +135,8 @@ def test_on_chip_buffers_are_not_hbm_traffic_and_async_collectives_count_once():
   # exponential writes its HBM result (its input is on chip)
   assert cost.bytes == a + b + c + a // 4 + a
   assert cost.collectives == {
-      hlo.Collective("all-gather", 8, 2 * 32 * 64 * 2): 1,
-      hlo.Collective("collective-permute", 2, 16): 1}
+      chips.Collective("all-gather", 8, 2 * 32 * 64 * 2): 1,
+      chips.Collective("collective-permute", 2, 16): 1}
 
 
 def test_one_async_collective_split_over_fusions_counts_once_per_channel():
@@ -152,7 +154,7 @@ def test_one_async_collective_split_over_fusions_counts_once_per_channel():
   text = (comps + "ENTRY %main (b: bf16[2,32,8]) -> bf16[2,32,64] {\n"
           "  %b = bf16[2,32,8]{1,2,0} parameter(0)\n" + calls
           + "  ROOT %o = bf16[2,32,64]{1,2,0} copy(%u3)\n}\n")
-  assert hlo.analyse(text).collectives == {hlo.Collective("all-gather", 8, 2 * 32 * 64 * 2): 2}
+  assert hlo.analyse(text).collectives == {chips.Collective("all-gather", 8, 2 * 32 * 64 * 2): 2}
 
 
 @pytest.mark.parametrize("target,remat", [("cpu", "none"), ("cpu", "block"),

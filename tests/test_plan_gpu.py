@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from reasoner.config import ConfigError
-from reasoner.planner import chips, hlo, plan
+from reasoner import chips
+from reasoner.planner import hlo, plan
 
 # The shape of XLA:GPU's optimised HLO (as bench/device.py's dumps on an H200 show it): a loop
 # whose fusions take elements of the loop's tuple (`%p#k`) rather than get-tuple-elements, and a

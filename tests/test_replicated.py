@@ -97,7 +97,7 @@ def test_the_replicated_decode_layout_shares_the_training_base(pair):
 
 
 def test_auto_weights_are_whole_where_the_base_takes_a_quarter_of_a_chip_at_most():
-  from reasoner.planner.layout import weights_placement
+  from reasoner.engine.layout import weights_placement
 
   gib = 2**30
   assert weights_placement("auto", 8, 2 * gib, 16 * gib)[0] == "replicated"  # gemma3-1b, v5e
@@ -115,7 +115,7 @@ def test_auto_weights_resolve_in_the_run_and_the_abstract_build(monkeypatch, cap
   """The default (auto): sharded on XLA:CPU (no memory figure); given a chip's memory, whole
   where the base takes at most a quarter of it, in the real build (loaded into shards, then
   gathered once) as in the planner's abstract one, with the reason logged."""
-  from reasoner.planner import layout
+  from reasoner.engine import layout
 
   cfg = tiny_config(*SETTINGS)
   assert cfg.mesh.weights == "auto"
@@ -165,7 +165,7 @@ def test_the_zeroed_lora_is_made_on_the_chips_as_the_lora_is_placed(pair):
   """The reference's LoRA (zeroed, made each step where beta > 0 and for DPO's reference):
   zeros of the LoRA's shapes and dtypes, placed as it is (whole or sharded), by one program that
   the next call reuses."""
-  from reasoner.engine import lora as lora_lib
+  from reasoner.models import lora as lora_lib
 
   for setup in pair.values():
     before = lora_lib._zeros.cache_info()

@@ -11,7 +11,7 @@ from conftest import ROOT, dense_grade_probs, tiny_config
 from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.data import sources
-from reasoner.engine import lora as lora_lib
+from reasoner.models import lora as lora_lib
 from reasoner.engine.rollout import by_category
 from reasoner.errors import DataError
 from reasoner.planner import plan

@@ -18,19 +18,20 @@ from conftest import ROOT, tiny_config
 from reasoner import loop
 from reasoner.engine import session
 from reasoner.config import ConfigError
+from reasoner.config.loop import parse_deadline, process_start
 
 TIMING = {"step_time_s", "tokens_per_s", "rollout_s", "rollout_tokens_per_s", "reward_s"}
 
 
 def test_deadline_forms():
   t0 = 1_000.0
-  assert session.parse_deadline("8h45m", t0) == t0 + 8 * 3600 + 45 * 60
-  assert session.parse_deadline("90m", t0) == t0 + 5400
-  assert session.parse_deadline("1.5h", t0) == t0 + 5400
-  assert session.parse_deadline("600s", t0) == t0 + 600
+  assert parse_deadline("8h45m", t0) == t0 + 8 * 3600 + 45 * 60
+  assert parse_deadline("90m", t0) == t0 + 5400
+  assert parse_deadline("1.5h", t0) == t0 + 5400
+  assert parse_deadline("600s", t0) == t0 + 600
   iso = "2026-11-25T08:30:00+00:00"
-  assert session.parse_deadline(iso) == 1795595400.0
-  assert abs(session.process_start() - time.time()) < 3600  # this process began recently
+  assert parse_deadline(iso) == 1795595400.0
+  assert abs(process_start() - time.time()) < 3600  # this process began recently
   with pytest.raises(ConfigError, match=r"config key 'train.deadline' = '9 hours': expected a "
                                         r"duration"):
     tiny_config("train.deadline=9 hours")

@@ -143,6 +143,7 @@ def test_sigterm_while_a_reward_hangs_exits_within_seconds_with_the_state_saved(
   assert time.monotonic() - t < 10, "SIGTERM waited for the reward"
   assert p.returncode == 143, err[-2000:]
   assert "SIGTERM: saved step 2 of 4" in err and "continue with:" in err, err[-2000:]
+  assert err.count("saved step 2 of 4") == 1, err[-2000:]  # once, not by close() as well
   assert _steps(tmp_path) == [1, 2]
 
 

@@ -35,7 +35,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the real widths and vocabulary keep every code path and every shape but depth.
 CUT = ["model.layers=4", "train.steps=2", "train.checkpoint_every=1", "rollout.num_generations=2",
        "rollout.max_new_tokens=16", "eval.max_new_tokens=16", "eval.batch_size=8",
-       "data.num_train=64", "train.deadline=8h45m"]
+       "data.num_train=64", "train.deadline=8h45m",
+       # the retention set's first 8 (the presets name 256: minutes each on fake devices)
+       "eval.sets=[{name: retention, source: jsonl, path: data/retention.jsonl, num: 8, "
+       "retention: true}]"]
 JUDGE_CUT = ["judge.model.layers=4", "judge.check=false"]
 
 

@@ -106,6 +106,9 @@ class DataConfig(Fields):
   num_eval: int = 64  # held-out problems
   seed: int = 0
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
+  # arithmetic: what the held-out split holds out. record: new questions in the wordings
+  # training saw (fit); template: whole wordings, a third of each operation's (a new wording)
+  held_out_by: Literal["record", "template"] = "record"
   # fewshot (two worked examples) for base models, chat for -it models, plain: the instruction and
   # the question only (a model SFT taught the format needs no examples)
   template: Literal["fewshot", "chat", "plain"] = "fewshot"
@@ -138,6 +141,13 @@ class EvalSet(Fields):
   path: str | None = None  # file for jsonl / parquet
   num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
+  # arithmetic only: record, new questions in the training wordings; template, questions in
+  # the wordings held out of training (data.held_out_by: template); null: data.held_out_by's
+  held_out_by: Literal["record", "template"] | None = None
+  # what the model could do before training, outside the training distribution: evaluated
+  # before and after, the paired change reported with its standard error, and a fall beyond
+  # noise (more than eval.retention_se standard errors) ends the run with a warning line
+  retention: bool = False
 
   def __post_init__(self):
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) or self.name == "held-out":
@@ -161,6 +171,9 @@ class EvalConfig:
   samples: int = 0
   pass_k: tuple[int, ...] = (1,)  # each at most `samples`
   sets: tuple[EvalSet, ...] = ()  # logged as eval/<name>/<metric>; the held-out as eval/<metric>
+  # a retention set (eval.sets[].retention) has fallen when its paired change in accuracy (mean
+  # reward where it has no answers) is below -retention_se standard errors
+  retention_se: float = 2.0
 
   def __post_init__(self):
     names = [s.name for s in self.sets]
@@ -170,6 +183,8 @@ class EvalConfig:
       _fail("eval.samples", self.samples, "a non-negative integer")
     if self.samples and not all(1 <= k <= self.samples for k in self.pass_k):
       _fail("eval.pass_k", list(self.pass_k), f"values from 1 to eval.samples = {self.samples}")
+    if not self.retention_se > 0:
+      _fail("eval.retention_se", self.retention_se, "a positive number of standard errors")
     if self.batch_size < 1:
       _fail("eval.batch_size", self.batch_size, "a positive integer")
     if self.max_new_tokens < 1:

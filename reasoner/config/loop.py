@@ -3,10 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import os
+import pathlib
 import re
+import time
 
 from reasoner.config.typed import fail as _fail
-from reasoner.engine.session import parse_deadline
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def process_start() -> float:
+  """This process's start as a Unix time (from /proc on Linux; else when this module loaded).
+  In a notebook that is the kernel's start, which a Kaggle session begins with."""
+  try:
+    ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def parse_deadline(text: str, start: float | None = None) -> float:
+  """'8h45m', '90m', '3600s', '1.5h' (from `start`, default this process's start) or an ISO
+  time ('2026-11-25T08:30', local time unless it names a zone) -> a Unix time."""
+  text = str(text).strip()
+  m = _DURATION.fullmatch(text)
+  if text and m and any(m.groups()):
+    h, mi, s = (float(g or 0) for g in m.groups())
+    return (process_start() if start is None else start) + h * 3600 + mi * 60 + s
+  try:
+    return dt.datetime.fromisoformat(text).timestamp()
+  except ValueError:
+    raise ValueError("a duration from the process start such as 8h45m, 90m or 600s, or an ISO "
+                     "time such as 2026-11-25T08:30") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -161,7 +161,8 @@ def load_splits(cfg: DataConfig, key: str = "data") -> tuple[list[dict], list[di
   if cfg.mixture is not None:
     return _mixture(cfg)
   if cfg.source == "arithmetic":
-    return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty)
+    return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty,
+                               cfg.held_out_by)
   if cfg.source == "gsm8k":
     train, test = _gsm8k()
     return train, test[:cfg.num_eval]
@@ -205,11 +206,13 @@ def draw_weights(records: list[dict], mixture) -> list[float] | None:
 
 
 def load_eval_set(s: EvalSet, data: DataConfig) -> list[dict]:
-  """The records of a named evaluation set: its first `num`. Arithmetic ones are the held-out
+  """The records of a named evaluation set: its first `num`. Arithmetic ones are held-out
   problems of the training generator at the set's difficulty (none is a training problem when
-  the difficulty is the training one's)."""
+  the difficulty is the training one's): new questions in the training wordings
+  (`held_out_by: record`) or in the wordings held out of training (`template`)."""
   if s.source == "arithmetic":
-    return arithmetic.generate(data.num_train, s.num, data.seed, s.difficulty)[1]
+    return arithmetic.held_out(data.num_train, s.num, data.seed, s.difficulty, data.held_out_by,
+                               s.held_out_by or data.held_out_by)[1]
   if s.source == "gsm8k":
     return _gsm8k()[1][:s.num]
   return _read_file(s.path, s.source, s, f"eval.sets[{s.name}].path")[:s.num]

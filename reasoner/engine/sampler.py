@@ -30,10 +30,10 @@ from jax.sharding import Mesh
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, MeshConfig
 from reasoner.engine import heads, topk
+from reasoner.engine.layout import decode_layout
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
 from reasoner.models.prompt import prefill, prompt_layout
-from reasoner.planner.layout import decode_layout
 
 log = logging.getLogger("reasoner")
 
@@ -339,7 +339,7 @@ class Sampler:
   @classmethod
   def for_run(cls, setup, layout: str | None = None) -> "Sampler":
     """The run's sampler (`setup`: a `build.Setup`), decoding in `layout` (default
-    `rollout.layout`, auto resolved by `planner.layout.decode_layout`), its base weights kept
+    `rollout.layout`, auto resolved by `engine.layout.decode_layout`), its base weights kept
     in that layout."""
     cfg, own_setup = setup.cfg, on_own_chips(setup)
     own = own_setup is not setup

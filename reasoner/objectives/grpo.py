@@ -48,9 +48,10 @@ import numpy as np
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
 from reasoner.data import curriculum, sources
-from reasoner.engine import lora as lora_lib, metrics as metrics_lib, rollout as rollout_lib
+from reasoner.engine import metrics as metrics_lib, rollout as rollout_lib
 from reasoner.engine.sampler import logprob_temperature
 from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
+from reasoner.models import lora as lora_lib
 
 LOSS_AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
                      "sequence-mean-token-sum-norm")

@@ -44,9 +44,9 @@ import numpy as np
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config
 from reasoner.data import examples as examples_lib
-from reasoner.engine import lora as lora_lib
 from reasoner.engine.trainer import Stage, Trainer, TrainState, check_finite
 from reasoner.errors import DataError
+from reasoner.models import lora as lora_lib
 from reasoner.objectives import pairs as pairs_lib
 
 

@@ -24,6 +24,8 @@ import re
 
 import numpy as np
 
+from reasoner.chips import Collective
+
 _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\](\{[^}]*\})?")
 _ITEM = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -252,16 +254,6 @@ def _group(op: _Op) -> int:
     sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
     return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
   return 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-  """One kind of collective op: its kind, the chips in each group and the bytes of the
-  array it produces (reduce-scatter: consumes) on each chip."""
-
-  kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
-  group: int
-  bytes: float
 
 
 @dataclasses.dataclass

@@ -37,17 +37,17 @@ import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
 from reasoner.build import build, judged, taught
+from reasoner.chips import CHIPS, Chip, collective_seconds, local_chip
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.engine import heads
+from reasoner.engine.layout import decode_layout, weights_placement
 from reasoner.engine.sampler import Sampler, SamplingConfig, on_own_chips
 from reasoner.engine.teacher import Teacher
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
-from reasoner.planner.chips import CHIPS, Chip, collective_seconds, local_chip
-from reasoner.planner.hlo import Cost, analyse
 from reasoner.planner import libtpu
-from reasoner.planner.layout import decode_layout, weights_placement
+from reasoner.planner.hlo import Cost, analyse
 from reasoner.rewards.judge import Judge
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reasoner.planner.chips import SESSION, Chip, GiB, collective_seconds
+from reasoner.chips import SESSION, Chip, GiB, collective_seconds
 from reasoner.planner.plan import StepPlan, judge_batches, sides, step_seconds
 
 

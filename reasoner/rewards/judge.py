@@ -39,8 +39,8 @@ from flax import nnx
 
 from reasoner import mesh as mesh_lib
 from reasoner.config import JudgeConfig, MeshConfig
-from reasoner.engine import lora as lora_lib
 from reasoner.errors import ConfigError
+from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from reasoner.planner.hlo import Collective
-
 GiB = 2**30
 SESSION = 9 * 3600  # seconds of a Kaggle TPU session
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One kind of collective op: its kind, the chips in each group and the bytes of the
+  array it produces (reduce-scatter: consumes) on each chip."""
+
+  kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+  group: int
+  bytes: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
+from reasoner.chips import CHIPS, Chip, Collective, collective_seconds
 from reasoner.models.cache import kv_cache_bytes
 from reasoner.models.prompt import prompt_layout
-from reasoner.planner.chips import CHIPS, Chip, collective_seconds
-from reasoner.planner.hlo import Collective
 
 
 def nbytes(state, where: Callable[[Any], bool] = lambda path: True) -> int:
