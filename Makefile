@@ -67,7 +67,8 @@ test: $(STAMP)
 # tests that load no model and start no process (those marked slow are left to `make test`).
 check: $(STAMP)
 	$(PY) -m pyflakes reasoner tests bench tools
-	$(PY) -m pytest tests -m "not slow and not multihost" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest tests -m "not slow and not multihost and not extended" -n $(TEST_WORKERS) \
+	  --dist loadfile $(ARGS)
 
 # docs/configuration.md, generated from the typed config (a test fails when it is stale).
 docs: $(STAMP)
@@ -86,9 +87,11 @@ rehearse: $(STAMP)
 	$(PY) tools/rehearse.py $(PRESET) --devices $(DEVICES)
 
 # 200 tiny steps through 21 faults (kill -9, signals, a damaged checkpoint, a full disk, a
-# read-only run directory, a reward past its time limit), then bit-equal to a run without them.
+# read-only run directory, a reward past its time limit), then bit-equal to a run without them;
+# then the whole runs that repeat a `make test` case with a setting changed (pytest -m extended).
 soak: $(STAMP)
 	$(PY) tools/soak.py $(ARGS)
+	$(PY) -m pytest tests -m extended -n $(TEST_WORKERS) --dist loadfile
 
 # notebooks/grpo_kaggle.ipynb is generated from grpo_kaggle.py (a test checks they agree).
 notebook: $(STAMP)

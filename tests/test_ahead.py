@@ -21,6 +21,9 @@ from reasoner.build import split_devices
 from reasoner.config import ConfigError
 from reasoner.engine.checkpoint import restore_lora
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 AHEAD = ("grpo.sampler_is=token", "train.steps=3", "train.checkpoint_every=3")
 PARITY = "rewards=[{fn: 'parity_reward:parity'}]"  # groups that differ: updates that do
 TEACHER = ("distill.teacher={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}",

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -49,6 +51,7 @@ def _digest(folder):
   return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_reward_that_raises_leaves_checkpoints_intact(tmp_path):
   (tmp_path / "bad_reward.py").write_text(
       "def explode(prompts, completions, **kw):\n    raise ValueError('bad reward')\n")

@@ -18,6 +18,9 @@ from reasoner.engine.teacher import Teacher
 from reasoner.objectives import distill, grpo
 from test_train import dense_logprobs
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 OWN = "distill.teacher={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
 
 

@@ -21,6 +21,9 @@ from reasoner.config import MeshConfig, ModelConfig
 from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 REF = json.loads((ROOT / "tests" / "gguf_reference_logits.json").read_text())
 
 

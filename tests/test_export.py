@@ -24,6 +24,9 @@ from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
 from test_kaggle import TOKENS, gemma2_spec, logits
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
@@ -131,6 +134,7 @@ def test_export_refuses_a_non_empty_directory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the real 270M (12 GB of this host's memory): make soak; make test
 def test_embedded_export_matches_tunix_and_the_gguf(tmp_path):
   """The real 270M: Tunix's loader on the export of a LoRA'd model gives its logits; with the
   LoRA at zero, every safetensors tensor is the GGUF's (HF names one to one, norms minus 1)."""

@@ -19,6 +19,9 @@ import pytest
 
 from conftest import ROOT
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 STEPS = 40
 
 

@@ -85,6 +85,7 @@ def test_paired_change_equals_its_dense_computation():
   assert math.isnan(standard_error([1.0]))
 
 
+@pytest.mark.slow
 def test_the_retention_set_is_evaluated_before_and_after_and_a_fall_warns(tmp_path, capsys):
   """A tiny run evaluates the held-out split (by template), the in-template set and a retention
   file before and after, with paired changes in eval.json; then, its retention rows before

@@ -12,6 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from reasoner.engine import heads, topk
 from reasoner.objectives import grpo
 
+# jitted models and heads against their references: seconds each, `make test` (not `make check`)
+pytestmark = pytest.mark.slow
+
 
 
 def objective(beta, **options):

@@ -13,6 +13,9 @@ from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.rewards.judge import Judge
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 RUBRIC = "Rate 1-5.\nQ: {question}\nA: {response}\nRef: {reference}\nGrade (1, 2, 3, 4, 5): "
 MIXED = ("data.source=jsonl", f"data.path={ROOT / 'data/mixed.jsonl'}", "data.num_eval=2",
          "rewards=[{fn: judge, categories: [creative, science, summarisation, code]}, "

@@ -28,6 +28,9 @@ from reasoner.models import gemma, kaggle
 from reasoner.models.tokenizer import sentencepiece_from_vocab
 from reasoner.models.cache import causal_mask, positions_from_mask
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 TINY = dict(layers=2, vocab=384, d=64, f=128, heads=2, kv=1, h=32)  # configs/tiny.yaml's shapes
 GEMMA2 = dict(layers=2, vocab=384, d=64, f=96, heads=4, kv=2, h=16)
 SECRET = "k3y-must-never-be-printed-0123456789"

@@ -15,6 +15,9 @@ from reasoner.build import build
 from reasoner.models import attention, layer
 from reasoner.models.cache import causal_mask, positions_from_mask
 
+# jitted models and heads against their references: seconds each, `make test` (not `make check`)
+pytestmark = pytest.mark.slow
+
 
 def _dense(q, k, v, mask):  # the same forward, left to autodiff
   probs = jax.nn.softmax(attention._logits(q, k, mask), axis=-1).astype(v.dtype)

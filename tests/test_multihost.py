@@ -23,6 +23,9 @@ import pytest
 from conftest import ROOT
 from test_kaggle import TINY, write_download
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 600
 
 
@@ -185,7 +188,7 @@ def test_the_whole_loop_on_four_processes_agrees_with_one(tmp_path):
                                atol=1e-6, err_msg=k)
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 def test_a_signal_to_one_process_saves_the_same_step_on_every_process(tmp_path):
   ckpt = tmp_path / "download"
   write_download(ckpt, "gemma3", TINY, "gemma3-1b-it")
@@ -225,7 +228,7 @@ def late(prompts, completions, **_):
 """
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 @pytest.mark.parametrize("on_timeout", ["zero", "stop"])
 def test_a_reward_late_on_one_process_acts_on_every_process(tmp_path, on_timeout):
   """A reward past its limit on one host only (a remote judge that stalls for one of them):

@@ -8,6 +8,9 @@ import pytest
 
 from conftest import ROOT
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 PY, IPYNB = ROOT / "notebooks" / "grpo_kaggle.py", ROOT / "notebooks" / "grpo_kaggle.ipynb"
 
 

@@ -18,6 +18,9 @@ from reasoner import chips
 from reasoner.engine import layout as layout_lib
 from reasoner.planner import hlo, libtpu, plan, report as report_lib
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 

@@ -9,6 +9,9 @@ from reasoner.config import ConfigError
 from reasoner import chips
 from reasoner.planner import hlo, plan
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 # The shape of XLA:GPU's optimised HLO (as bench/device.py's dumps on an H200 show it): a loop
 # whose fusions take elements of the loop's tuple (`%p#k`) rather than get-tuple-elements, and a
 # cuBLAS matmul whose result is (product, workspace).

@@ -22,6 +22,9 @@ from reasoner.errors import DataError
 from reasoner.objectives import pairs as pairs_lib, preference
 from test_train import dense_completion_logprobs
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 
 def _token_logps(rng, pairs=3, n=6):
   """[2P, N] token log-probs (chosen, rejected interleaved), a mask with a varied length a row,
@@ -239,7 +242,9 @@ def _lora(run, step):
     return m.restore(step)["state"]["lora"]
 
 
-@pytest.mark.parametrize("pairs", ["file", "policy"])
+# the policy's own pairs carry the most state through a resume (make test); pairs from a file
+# repeat the same resume (make soak, pytest -m extended)
+@pytest.mark.parametrize("pairs", [pytest.param("file", marks=pytest.mark.extended), "policy"])
 def test_resume_is_exact(tmp_path, pairs):
   """A run whose step-4 checkpoint was removed resumes from step 2 to the same bits, the
   policy's pool of pairs (regenerated every 3 steps: step 4 reuses step 3's) included."""

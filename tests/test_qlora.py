@@ -18,6 +18,9 @@ from reasoner.config import ConfigError
 from test_export import TOKENS, _export_tree, _noisy, logits, lora_logits
 from test_train import dense_logprobs, random_batch
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 # max |logits - float base's| / max |float base's logits| on the tiny random model with 32-input
 # tiles (0.037 for int8, 0.234 for nf4 at these seeds): a bound, not a measure of quality.
 TOLERANCE = {"int8": 0.05, "nf4": 0.3}

@@ -15,6 +15,9 @@ from reasoner.objectives.grpo import GRPOTrainer as Trainer
 from reasoner.planner import hlo
 from test_train import random_batch
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 SETTINGS = ("rollout.num_generations=4", "train.batch_size=4", "grpo.beta=0.04")
 
 

@@ -13,6 +13,9 @@ import pytest
 
 from conftest import ROOT
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 
@@ -43,7 +46,11 @@ def _lora(run_dir, name, step):
 AHEAD = ("rollout.devices=1", "grpo.sampler_is=token", *DYNAMIC)
 
 
-@pytest.mark.parametrize("extra", [(), DYNAMIC, ("mesh.weights=replicated",), AHEAD],
+# `make test` keeps the default and the rollout ahead (dynamic sampling included); the other two
+# repeat the same resume with one setting changed: `make soak` runs them (pytest -m extended)
+@pytest.mark.parametrize("extra", [(), pytest.param(DYNAMIC, marks=pytest.mark.extended),
+                                   pytest.param(("mesh.weights=replicated",),
+                                                marks=pytest.mark.extended), AHEAD],
                          ids=["default", "dynamic-sampling", "replicated-weights", "rollout-ahead"])
 def test_killed_run_resumes_to_the_same_parameters(tmp_path, extra):
   subprocess.run(_cmd(tmp_path, "full", extra), env=_env(), cwd=ROOT, check=True,

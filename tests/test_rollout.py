@@ -16,6 +16,9 @@ from reasoner.objectives.grpo import rollout
 from reasoner.engine.sampler import Sampler
 from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
+# jitted models and heads against their references: seconds each, `make test` (not `make check`)
+pytestmark = pytest.mark.slow
+
 B, G = 4, 4
 
 

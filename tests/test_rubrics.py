@@ -17,6 +17,9 @@ from reasoner.errors import DataError
 from reasoner.planner import plan
 from reasoner.rewards.judge import Judge, rubric_score
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 GENERAL = ROOT / "data/general.jsonl"
 # the tiny model attends 16 tokens back in each of its two layers: what differs between prompts
 # comes last, so that its probabilities differ (a real judge's prompts end in the question asked)

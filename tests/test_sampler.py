@@ -18,6 +18,9 @@ from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
 from reasoner.engine.sampler import Sampler, SamplingConfig, next_token, sample_token
 from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 
 def _nonzero_lora(*overrides):
   """The tiny model with LoRA B != 0, so that every comparison exercises the LoRA path."""

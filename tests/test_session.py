@@ -20,6 +20,9 @@ from reasoner.engine import session
 from reasoner.config import ConfigError
 from reasoner.config.loop import parse_deadline, process_start
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 TIMING = {"step_time_s", "tokens_per_s", "rollout_s", "rollout_tokens_per_s", "reward_s"}
 
 

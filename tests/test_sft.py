@@ -21,6 +21,9 @@ from reasoner.config import ConfigError
 from reasoner.errors import DataError
 from test_train import dense_completion_logprobs
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup():

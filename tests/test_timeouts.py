@@ -18,6 +18,9 @@ from reasoner.config import RewardSpec
 from reasoner.errors import RewardInterrupted, RewardTimeout
 from reasoner.rewards.scoring import Rewards
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 HANG = """import os, time
 calls = 0
 def hang(prompts, completions, **kw):

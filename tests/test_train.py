@@ -16,6 +16,9 @@ from reasoner.objectives.grpo import rollout
 from reasoner.engine.sampler import Sampler
 from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
+# models built or whole runs started: `make test`, not `make check`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup():
