@@ -75,7 +75,8 @@ docs: $(STAMP)
 	$(PY) -m reasoner config --docs docs/configuration.md
 
 # The whole loop on 4 processes x 2 devices (a decode layout, resume, export), a teacher and a
-# judge across two hosts, each against one process of 8 devices (about 8 minutes).
+# judge across two hosts, each against one process of 8 devices; a signal to one of two
+# processes, a reward late on one of two (`make test` keeps one 2-process case).
 multihost: $(STAMP)
 	$(PY) -m pytest tests/test_multihost.py -m multihost $(ARGS)
 
