@@ -61,7 +61,7 @@ sample: $(STAMP)
 	$(PY) -m reasoner sample --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=30 $(ARGS)
 
 # The quick tier, after every change (a few minutes): pyflakes, the package's own rules and the
 # tests that load no model and start no process (those marked slow are left to `make test`).

@@ -197,15 +197,26 @@ def test_micro_batches_give_the_one_pass_update(setup):
     # away from the reference, so that the logged rewards are not rounding noise
     state = trainer.init_state(jax.tree.map(lambda x: x + 0.05, setup.lora),
                                jax.random.PRNGKey(0))
+    # the accumulated gradient itself: Adam's first step (about lr * g / |g| an element) would
+    # hide a micro-batch sum that should have been a mean
+    (loss, grads), _ = jax.jit(lambda base, lora, b: trainer._in_micro_batches(
+        lambda params, m: trainer._pair_grads(*params, m), (base, lora), b,
+        (jnp.zeros((), jnp.float32), lora)))(setup.base, state.lora, batch)
     state, metrics = trainer.train_step(state, batch)
     out[micro] = (jax.tree.map(np.asarray, state.lora), {k: float(v) for k, v in
-                                                        metrics.items()})
+                                                        metrics.items()},
+                  float(loss), jax.tree.map(np.asarray, grads))
   for k, v in out[None][1].items():
     assert out[2][1][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
-  # Adam's first step is about lr * g / |g| an element (lr 1e-3): rounding in a small gradient
-  # moves its element by a small share of lr
+  assert out[2][2] == pytest.approx(out[None][2], rel=1e-5)
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(out[None][3]))
+  for a, b in zip(jax.tree.leaves(out[2][3]), jax.tree.leaves(out[None][3])):
+    # float32 sums in another order (measured: 1.3e-4 relative); a sum for a mean is 2x
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
+  # an element whose gradient is near 0 moves by lr * g / (|g| + eps): its rounding is a share
+  # of lr (1e-3), so the weights agree to 5% of one step; a wrong accumulation flips whole steps
   for a, b in zip(jax.tree.leaves(out[2][0]), jax.tree.leaves(out[None][0])):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(a, b, rtol=0, atol=5e-5)
 
 
 def test_policy_pairs_pair_the_best_with_the_worst():
