@@ -50,7 +50,9 @@ def _by_hand(run, stale: bool):
 JUDGED = (*MIXED, f"judge.rubric={json.dumps(RUBRIC)}", "judge.batch_size=4", "rollout.devices=4")
 
 
-@pytest.mark.parametrize("stage,extra", [("grpo", JUDGED), ("distill", (PARITY, *TEACHER))],
+# the same loop for distillation, with a teacher of its own: make soak (pytest -m extended)
+@pytest.mark.parametrize("stage,extra", [("grpo", JUDGED), pytest.param(
+    "distill", (PARITY, *TEACHER), marks=pytest.mark.extended)],
                          ids=["grpo-judged", "distill"])
 def test_the_loop_ahead_equals_a_reference_drawn_one_update_behind(tmp_path, stage, extra):
   cfg = tiny_config(f"train.run_dir={tmp_path}", "train.run_name=ahead", *AHEAD, *extra)

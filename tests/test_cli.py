@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 
 def run(*args, cwd=ROOT):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "tests"))
   return subprocess.run([sys.executable, "-m", "reasoner", *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=900)
@@ -64,6 +64,6 @@ def test_reward_that_raises_leaves_checkpoints_intact(tmp_path):
   p = subprocess.run([sys.executable, "-m", "reasoner", "train", *base, "train.steps=4",
                       env_path], cwd=ROOT, capture_output=True, text=True, timeout=900,
                      env=dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu",
-                              XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+                              XLA_FLAGS=xla_flags(1)))
   one_error_line(p, "reward function 'bad_reward:explode' raised ValueError: bad reward")
   assert _digest(ckpt) == before

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 # models built or whole runs started: `make test`, not `make check`
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _cmd(run_dir, name, *extra):
 
 
 def _env():
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  return dict(os.environ, XLA_FLAGS=xla_flags(2),
               JAX_PLATFORMS="cpu")
 
 

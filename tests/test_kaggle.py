@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from conftest import ROOT, shard_fraction, tiny_config
+from conftest import ROOT, shard_fraction, tiny_config, xla_flags
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, MeshConfig, ModelConfig
 from reasoner.models import gemma, kaggle
@@ -355,7 +355,7 @@ def test_config_checks_the_kaggle_keys():
 def test_gemma3_1b_config_fails_fast_with_one_line(tmp_path, creds):
   env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE")}
   env.update(HOME=str(tmp_path), KAGGLEHUB_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=xla_flags(8))
   if creds:
     env.update(KAGGLE_USERNAME="someone", KAGGLE_KEY=SECRET, KAGGLE_API_ENVIRONMENT="TEST")
   t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 from test_kaggle import TINY, write_download
 
 # models built or whole runs started: `make test`, not `make check`
@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 def _spawn(args: list[str], devices: int, **env_extra: str) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **env_extra)
+             XLA_FLAGS=xla_flags(devices), **env_extra)
   return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 # models built or whole runs started: `make test`, not `make check`
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _cmd(run_dir, name, extra=()):
 
 
 def _env():
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  return dict(os.environ, XLA_FLAGS=xla_flags(2),
               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "tests"))
 
 
@@ -46,9 +46,11 @@ def _lora(run_dir, name, step):
 AHEAD = ("rollout.devices=1", "grpo.sampler_is=token", *DYNAMIC)
 
 
-# `make test` keeps the default and the rollout ahead (dynamic sampling included); the other two
-# repeat the same resume with one setting changed: `make soak` runs them (pytest -m extended)
-@pytest.mark.parametrize("extra", [(), pytest.param(DYNAMIC, marks=pytest.mark.extended),
+# `make test` keeps the rollout ahead (dynamic sampling included: the most state a resume
+# carries); the default resume is also tests/test_faults.py's SIGTERM case and the other two
+# repeat this one with a setting changed: `make soak` runs them (pytest -m extended)
+@pytest.mark.parametrize("extra", [pytest.param((), marks=pytest.mark.extended),
+                                   pytest.param(DYNAMIC, marks=pytest.mark.extended),
                                    pytest.param(("mesh.weights=replicated",),
                                                 marks=pytest.mark.extended), AHEAD],
                          ids=["default", "dynamic-sampling", "replicated-weights", "rollout-ahead"])

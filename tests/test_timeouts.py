@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 from reasoner.config import RewardSpec
 from reasoner.errors import RewardInterrupted, RewardTimeout
 from reasoner.rewards.scoring import Rewards
@@ -65,7 +65,7 @@ def test_past_its_limit_a_reward_stops_or_scores_zero_and_a_signal_ends_the_wait
 def _start(tmp_path, *overrides, config="configs/tiny.yaml", hang_after=2):
   (tmp_path / "hang_reward.py").write_text(HANG)
   env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1", HANG_AFTER=str(hang_after),
+             XLA_FLAGS=xla_flags(1), HANG_AFTER=str(hang_after),
              HANG_FLAG=str(tmp_path / "hanging"))
   argv = [sys.executable, "-m", "reasoner", "train", "--config", config,
           f"train.run_dir={tmp_path}", "train.run_name=r", "train.steps=4",
@@ -79,6 +79,9 @@ def _steps(tmp_path):
                 if p.name.isdigit())
 
 
+# the same stop with a checkpoint every step; its line and what it saves are checked in the
+# resume case below: make soak (pytest -m extended)
+@pytest.mark.extended
 def test_a_reward_past_its_limit_stops_the_run_with_one_line_and_the_last_step_saved(tmp_path):
   p = _start(tmp_path, "rewards=[{fn: 'hang_reward:hang', timeout_s: 3}]")
   out, err = p.communicate(timeout=600)
@@ -103,7 +106,14 @@ def test_a_run_stopped_by_a_timeout_resumes_into_the_uninterrupted_run(tmp_path)
 
   hang = "rewards=[{fn: 'hang_reward:hang', timeout_s: 2}]"
   p = _start(tmp_path, hang, "train.checkpoint_every=1000")  # steps 1, 2 unsaved until then
-  assert p.communicate(timeout=600)[0] is not None and p.returncode == 2
+  _, err = p.communicate(timeout=600)
+  assert time.time() - (tmp_path / "hanging").stat().st_mtime < 2 + 15, "it did not stop soon"
+  assert p.returncode == 2, err[-2000:]
+  errors = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+  assert ("reward function 'hang_reward:hang' did not return within 2 s (rewards[0].timeout_s"
+          in errors[0] and "at step 3: that step was not trained on; step 2 is saved" in
+          errors[0] and "continue with:" in errors[0]), errors[0]
   assert _steps(tmp_path) == [2]
   again = _start(tmp_path, hang, "train.checkpoint_every=1000", hang_after=99)
   whole = _start(tmp_path, hang, "train.checkpoint_every=1000", "train.run_name=whole",
