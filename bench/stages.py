@@ -19,7 +19,6 @@ Goal (issue 35): the three-stage recipe's held-out mean reward at or above SFT -
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -52,10 +51,10 @@ def held_out(run_dir: pathlib.Path) -> list[float]:
 
 
 def stats(values: list[float]) -> dict:
-  n = len(values)
-  mean = sum(values) / n
-  sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-  return {"mean_reward": mean, "standard_error": sd / math.sqrt(n), "n": n}
+  from reasoner.evaluation import standard_error
+
+  return {"mean_reward": sum(values) / len(values), "standard_error": standard_error(values),
+          "n": len(values)}
 
 
 def main() -> None:

@@ -174,10 +174,11 @@ class Run:
     printed; a retention set that fell beyond noise leaves the run's warning line."""
     named = {s.name: s for s in self.cfg.eval.sets}
     changes = {}
-    for name in ("held-out", *named):
-      before = self.writer.rows("eval-before" if name == "held-out" else f"eval-{name}-before")
-      after = self.writer.rows(f"eval-{tag}" if name == "held-out" else f"eval-{name}-{tag}")
-      c = paired_change(before, after)
+    pairs = {name: ("eval-before", f"eval-{tag}") if name == "held-out" else
+             (f"eval-{name}-before", f"eval-{name}-{tag}") for name in ("held-out", *named)}
+    rows = self.writer.rows_by_tag([t for pair in pairs.values() for t in pair])
+    for name, (before, after) in pairs.items():
+      c = paired_change(rows[before], rows[after])
       if c is None:
         continue
       changes[name] = c

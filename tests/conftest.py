@@ -5,16 +5,10 @@ import os
 import shutil
 import tempfile
 
-# XLA:CPU compiles the suite's programs (a tiny model's step: ~340 kernels, 7-8 s) for longer
-# than it runs them: LLVM's expensive passes and optimisation off take a fifth off a compile
-# (the GRPO micro-batch test 76 s -> 57 s). The programs' HLO is the same; only their machine
-# code is less tuned. Child processes get them too (`xla_flags`).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
 
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a test's child process on `devices` fake CPU devices."""
-  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+  return f"--xla_force_host_platform_device_count={devices}"
 
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))

@@ -76,11 +76,18 @@ class MetricsWriter:
 
   def rows(self, tag: str) -> list[dict]:
     """The samples logged under `tag` (this session's or an earlier one's); [] where none."""
+    return self.rows_by_tag([tag])[tag]
+
+  def rows_by_tag(self, tags) -> dict[str, list[dict]]:
+    """{tag: its samples} for each of `tags`, from one read of samples.jsonl."""
+    out = {t: [] for t in tags}
     path = self.path / "samples.jsonl"
-    if not self.enabled or not path.exists():
-      return []
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [r for r in rows if r.get("tag") == tag]
+    if self.enabled and path.exists():
+      for line in path.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if r.get("tag") in out:
+          out[r["tag"]].append(r)
+    return out
 
   def write_json(self, name: str, data: dict, overwrite: bool = True) -> None:
     if self.enabled and (overwrite or not (self.path / name).exists()):
