@@ -79,20 +79,26 @@ def _steps(tmp_path):
                 if p.name.isdigit())
 
 
+def _stopped_at_step_3(tmp_path, p, limit_s):
+  """The run `p`, its reward hanging at step 3 with `timeout_s: limit_s`, stopped soon after
+  the limit with exit code 2 and one error line that keeps step 2."""
+  _, err = p.communicate(timeout=600)
+  hung = (tmp_path / "hanging").stat().st_mtime
+  assert time.time() - hung < limit_s + 15, "the run did not stop soon after the limit"
+  assert p.returncode == 2, err[-2000:]
+  errors = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+  assert (f"reward function 'hang_reward:hang' did not return within {limit_s} s "
+          "(rewards[0].timeout_s" in errors[0] and "at step 3: that step was not trained on; "
+          "step 2 is saved" in errors[0] and "continue with:" in errors[0]), errors[0]
+
+
 # the same stop with a checkpoint every step; its line and what it saves are checked in the
 # resume case below: make soak (pytest -m extended)
 @pytest.mark.extended
 def test_a_reward_past_its_limit_stops_the_run_with_one_line_and_the_last_step_saved(tmp_path):
   p = _start(tmp_path, "rewards=[{fn: 'hang_reward:hang', timeout_s: 3}]")
-  out, err = p.communicate(timeout=600)
-  hung = (tmp_path / "hanging").stat().st_mtime
-  assert time.time() - hung < 3 + 15, "the run did not stop soon after the limit"
-  assert p.returncode == 2, err[-2000:]
-  errors = [l for l in err.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
-  assert ("reward function 'hang_reward:hang' did not return within 3 s (rewards[0].timeout_s"
-          in errors[0] and "at step 3: that step was not trained on; step 2 is saved" in
-          errors[0] and "continue with:" in errors[0]), errors[0]
+  _stopped_at_step_3(tmp_path, p, 3)
   assert _steps(tmp_path) == [1, 2]
   rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
   assert max(r["step"] for r in rows if "loss" in r) == 2
@@ -106,14 +112,7 @@ def test_a_run_stopped_by_a_timeout_resumes_into_the_uninterrupted_run(tmp_path)
 
   hang = "rewards=[{fn: 'hang_reward:hang', timeout_s: 2}]"
   p = _start(tmp_path, hang, "train.checkpoint_every=1000")  # steps 1, 2 unsaved until then
-  _, err = p.communicate(timeout=600)
-  assert time.time() - (tmp_path / "hanging").stat().st_mtime < 2 + 15, "it did not stop soon"
-  assert p.returncode == 2, err[-2000:]
-  errors = [l for l in err.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
-  assert ("reward function 'hang_reward:hang' did not return within 2 s (rewards[0].timeout_s"
-          in errors[0] and "at step 3: that step was not trained on; step 2 is saved" in
-          errors[0] and "continue with:" in errors[0]), errors[0]
+  _stopped_at_step_3(tmp_path, p, 2)
   assert _steps(tmp_path) == [2]
   again = _start(tmp_path, hang, "train.checkpoint_every=1000", hang_after=99)
   whole = _start(tmp_path, hang, "train.checkpoint_every=1000", "train.run_name=whole",
