@@ -14,20 +14,23 @@ def xla_flags(devices: int) -> str:
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One compilation cache for the session's child processes: most of the runs the tests start
-# (resume, faults, sessions, export, SFT) compile the same tiny programs (tests/test_faults.py +
-# tests/test_resume.py: 679 s -> 339 s). Not this process's own: the cache's key and write for
-# every program, eager references included, made in-process tests slower than the few compiles
-# they share (the SFT dense reference 29 s -> 120 s). Every program is kept; a size limit turns
-# on the cache's file lock, so that no process reads an entry another is still writing.
-# `make test`'s pytest-xdist workers inherit the first process's cache (and hide it from their
-# own jax the same way); only the process that made it deletes it.
+# One compilation cache for the whole session (tests/test_faults.py + tests/test_resume.py:
+# 679 s -> 339 s), its children's and its own:
+# - the child processes the tests start (resume, faults, sessions, export, SFT) keep every
+#   program: they compile the same tiny programs again and again;
+# - this process, and each pytest-xdist worker, keeps only the programs that took a second or
+#   more to compile: the trainers and samplers that tests of several files build with the same
+#   settings (test_sft.py alone, side by side: 316 s -> 270 s). Every program (the eager
+#   references' ops included) made in-process tests slower than the compiles they share (the SFT
+#   dense reference 29 s -> 120 s).
+# A size limit turns on the cache's file lock, so that no process reads an entry another is
+# still writing. The workers inherit the first process's folder; only that process deletes it.
 _CACHE_KEYS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE")
 _INHERITED = os.environ.get("REASONER_TEST_XLA_CACHE")
 _HIDDEN = {k: os.environ.pop(k) for k in _CACHE_KEYS if _INHERITED and k in os.environ}
 
-import jax  # noqa: E402,F401  (this process's settings are read now: the cache is its children's)
+import jax  # noqa: E402  (jax reads its settings now: the environment's are the children's)
 
 if _INHERITED:
   os.environ.update(_HIDDEN)
@@ -37,6 +40,10 @@ else:
   os.environ["REASONER_TEST_XLA_CACHE"] = _CACHE
   for key, value in zip(_CACHE_KEYS, (_CACHE, "0", "-1", str(8 << 30))):
     os.environ.setdefault(key, value)
+jax.config.update("jax_compilation_cache_dir", os.environ["REASONER_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 import pathlib  # noqa: E402
 

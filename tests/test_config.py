@@ -62,10 +62,10 @@ def test_missing_file_and_bad_override():
 
 
 def test_prompt_buckets_are_checked_against_the_prompt_limit():
-  assert tiny_config("rollout.prompt_buckets=[128,640]").rollout.prompt_buckets == (128, 640)
+  assert tiny_config("rollout.prompt_buckets=[128,256]").rollout.prompt_buckets == (128, 256)
   with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets' .*strictly increasing"):
     tiny_config("rollout.prompt_buckets=[256,128]")
-  with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets'.*max_prompt_tokens = 640"):
+  with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets'.*max_prompt_tokens = 256"):
     tiny_config("rollout.prompt_buckets=[64,128]")
 
 

@@ -31,7 +31,8 @@ JUDGED = ("data.source=jsonl", f"data.path={GENERAL}", "data.num_eval=2",
           "judge.rubric='Grade 1, 2, 3, 4 or 5: {response}\nGrade: '",
           f"judge.criterion_prompt={json.dumps(CRITERION)}",
           f"judge.pairwise_prompt={json.dumps(PAIRWISE)}", "judge.criterion_grades=[N, Y]",
-          "judge.max_criteria=5", "judge.batch_size=8", "data.template=plain")
+          "judge.max_criteria=5", "judge.batch_size=8", "data.template=plain",
+          "data.max_prompt_tokens=640")  # its longest prompts (the tiny default is 256)
 
 
 @pytest.fixture(scope="module")
