@@ -152,3 +152,35 @@ def test_routing_is_checked_against_the_data_before_any_model_loads():
   c = build.check(tiny_config(*data, routed))
   r, train, held_out = c.rewards, c.train, c.held_out
   assert len(train) + len(held_out) == 10 and r.names == ["correct", "relevance", "repetition"]
+
+
+def test_instructions_and_tests_pass_score_their_rows_and_check_their_records():
+  """The checkable rewards through `Rewards`: each record's constraints (the fraction followed)
+  and tests (run in the sandbox, in a thread of its own), routed by category; a record that
+  lacks what its reward needs, or carries what cannot be checked, is one line before any model
+  loads."""
+  r = scoring.Rewards([RewardSpec(fn="instructions", categories=("if",)),
+                       RewardSpec(fn="tests_pass", categories=("code",), timeout_s=30)])
+  lower = [{"kind": "change_case:english_lowercase", "args": {}},
+           {"kind": "punctuation:no_comma", "args": {}}]
+  records = [{"question": "q", "category": "if", "constraints": lower},
+             {"question": "q", "category": "code", "tests": "assert f(2) == 4"}]
+  r.check(records, "the training data")
+  completions = ["<answer>all lower, with a comma</answer>",
+                 "```python\ndef f(x):\n  return x * 2\n```"]
+  total, per_fn = r.score(["p", "p"], completions, records)
+  np.testing.assert_allclose(total, [0.5, 1.0])
+  np.testing.assert_array_equal(np.isnan(per_fn["tests_pass"]), [1, 0])
+  total, _ = r.score(["p", "p"], ["<answer>fine as is</answer>", "def f(x): return x"],
+                     records)
+  np.testing.assert_allclose(total, [1.0, 0.0])
+  with pytest.raises(scoring.DataError, match=r"^the training data, record 0 \(category 'if'\) "
+                                              r"has no constraints \(data.constraints_field\), "
+                                              r"which reward 'instructions' needs$"):
+    r.check([{"question": "q", "category": "if"}], "the training data")
+  with pytest.raises(scoring.DataError, match=r"record 0.*'keywords:existance'.*did you mean "
+                                              r"'keywords:existence'"):
+    r.check([{"category": "if", "constraints": [{"kind": "keywords:existance",
+                                                   "args": {"keywords": ["a"]}}]}], "the data")
+  with pytest.raises(scoring.DataError, match=r"record 0"):
+    r.check([{"category": "code", "tests": "assert f(2) =="}], "the data")

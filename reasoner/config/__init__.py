@@ -73,12 +73,12 @@ class Config:
             "ahead are corrected by truncated importance weights")
     sources = ({m.source for m in self.data.mixture} if self.data.mixture is not None
                else {self.data.source})
-    if self.data.held_out_by == "template" and "arithmetic" not in sources:
-      _fail("data.held_out_by", "template", "'record' unless a source is 'arithmetic' (a file's "
-            "records are held out by record)")
+    if self.data.held_out_by == "template" and not sources & {"arithmetic", "instructions"}:
+      _fail("data.held_out_by", "template", "'record' unless a source is generated "
+            "('arithmetic', 'instructions'; a file's records are held out by record)")
     for s in self.eval.sets:
-      if s.held_out_by == "template" and self.data.held_out_by != "template":
-        _fail(f"eval.sets[{s.name}].held_out_by", "template", "'record' or null unless "
+      if s.held_out_by in ("template", "task") and self.data.held_out_by != "template":
+        _fail(f"eval.sets[{s.name}].held_out_by", s.held_out_by, "'record' or null unless "
               "data.held_out_by is 'template' (no wording is held out of training)")
     buckets = self.rollout.prompt_buckets
     if buckets is not None and buckets[-1] < self.data.max_prompt_tokens:

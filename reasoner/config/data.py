@@ -9,7 +9,7 @@ from typing import Literal
 from reasoner.config.typed import fail as _fail
 
 
-Source = Literal["arithmetic", "jsonl", "parquet", "gsm8k"]
+Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "gsm8k"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,12 @@ class Fields:
   # optional in a record: the judge's criteria for it, a list of {criterion, weight} (negative
   # weights are pitfalls) or of strings (weight 1); records without one get `judge.rubric`
   rubric_field: str = "rubric"
+  # optional in a record: instructions code can check, a list of {kind, args} with IFEval's
+  # kind names (the `instructions` reward; rewards/instructions.py)
+  constraints_field: str = "constraints"
+  # optional in a record: the tests its code must pass, Python asserts (a string) or a list of
+  # {input, output} stdin/stdout pairs (the `tests_pass` reward; rewards/sandbox.py)
+  tests_field: str = "tests"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,7 +113,9 @@ class DataConfig(Fields):
   seed: int = 0
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
   # arithmetic: what the held-out split holds out. record: new questions in the wordings
-  # training saw (fit); template: whole wordings, a third of each operation's (a new wording)
+  # training saw (fit); template: whole wordings, a third of each operation's (a new wording);
+  # instructions: whole tasks and whole constraint combinations (the held-out split: the
+  # combinations; eval.sets[].held_out_by: task, the tasks)
   held_out_by: Literal["record", "template"] = "record"
   # fewshot (two worked examples) for base models, chat for -it models, plain: the instruction and
   # the question only (a model SFT taught the format needs no examples)
@@ -141,9 +149,11 @@ class EvalSet(Fields):
   path: str | None = None  # file for jsonl / parquet
   num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
-  # arithmetic only: record, new questions in the training wordings; template, questions in
-  # the wordings held out of training (data.held_out_by: template); null: data.held_out_by's
-  held_out_by: Literal["record", "template"] | None = None
+  # generated sets only (data.held_out_by: template): record, new questions in the training
+  # wordings; template, questions in the wordings held out of training (instructions: the
+  # constraint combinations never trained on); task (instructions): tasks never trained on, with
+  # the trained combinations; null: data.held_out_by's
+  held_out_by: Literal["record", "template", "task"] | None = None
   # what the model could do before training, outside the training distribution: evaluated
   # before and after, the paired change reported with its standard error, and a fall beyond
   # noise (more than eval.retention_se standard errors) ends the run with a warning line

@@ -25,7 +25,7 @@ import grain
 from reasoner.config import DataConfig, EvalSet
 from reasoner.config.data import Fields
 from reasoner.errors import DataError
-from reasoner.data import arithmetic
+from reasoner.data import arithmetic, instructions
 
 
 def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> list[dict]:
@@ -72,6 +72,8 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
                                  f"{section}.rubric_field"),
                 **{k: _text(row, getattr(cfg, f"{k}_field", None))
                    for k in ("response", "chosen", "rejected")},
+                **{k: row[f] for k in ("constraints", "tests")
+                   if (f := getattr(cfg, f"{k}_field", None)) and row.get(f) is not None},
                 **({level: str(row[level])} if level and row.get(level) is not None else {})})
   if not out:
     raise DataError(f"{path}: no records")
@@ -163,6 +165,8 @@ def load_splits(cfg: DataConfig, key: str = "data") -> tuple[list[dict], list[di
   if cfg.source == "arithmetic":
     return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty,
                                cfg.held_out_by)
+  if cfg.source == "instructions":
+    return instructions.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.held_out_by)
   if cfg.source == "gsm8k":
     train, test = _gsm8k()
     return train, test[:cfg.num_eval]
@@ -210,6 +214,12 @@ def load_eval_set(s: EvalSet, data: DataConfig) -> list[dict]:
   problems of the training generator at the set's difficulty (none is a training problem when
   the difficulty is the training one's): new questions in the training wordings
   (`held_out_by: record`) or in the wordings held out of training (`template`)."""
+  kind = {"template": None}.get(s.held_out_by, s.held_out_by)  # None: the generator's own
+  if s.source == "instructions":
+    return instructions.held_out(data.num_train, s.num, data.seed, data.held_out_by, kind)[1]
+  if s.held_out_by == "task":
+    raise DataError(f"config key 'eval.sets[{s.name}].held_out_by' = 'task': only the "
+                    "instructions source holds out whole tasks")
   if s.source == "arithmetic":
     return arithmetic.held_out(data.num_train, s.num, data.seed, s.difficulty, data.held_out_by,
                                s.held_out_by or data.held_out_by)[1]

@@ -1,8 +1,10 @@
 """Scoring a batch with the configured rewards: each reward a function `(prompts, completions,
 **batch) -> list[float]`, a built-in name (`builtin`, and `judge`, a model's grade bound by
 `build`) or 'module:function'. `batch` holds per-completion fields: `question` (the record's,
-unrendered), `answer` (the reference, or None), `category` and `rubric` (the record's criteria,
-or None; `data.sources.rubric`).
+unrendered), `answer` (the reference, or None), `category`, `rubric` (the record's criteria, or
+None; `data.sources.rubric`), `constraints` (instructions code checks: `instructions`) and
+`tests` (what its code must pass: `tests_pass`, run in a sandbox), each None where a record has
+none.
 
 Each reward scores the rows of its `categories` (rewards[].categories; all rows by default): a
 row's total is the weighted mean of the rewards that score it, so it stays on a 0-1 scale
@@ -14,7 +16,7 @@ batch stops with `RewardTimeout` (`on_timeout: stop`) or that reward's rows get 
 `RewardInterrupted` within a quarter of a second, not when the reward returns; the thread is a
 daemon, so a call that never returns does not keep the process alive. The other built-ins run
 in the calling thread, bounded by their own code (math-verify's timeouts need the main thread's
-signals).
+signals); `tests_pass`, which waits on its programs, runs in a thread as they do.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ import numpy as np
 from reasoner import mesh as mesh_lib
 from reasoner.config import RewardSpec
 from reasoner.errors import ConfigError, DataError, RewardError, RewardInterrupted, RewardTimeout
+from reasoner.rewards import instructions as instructions_lib, sandbox
 from reasoner.rewards.builtin import correct, format_exact, format_partial, relevance, repetition
 
 RewardFn = Callable[..., list[float]]
-FIELDS = ("question", "answer", "category", "rubric")  # a record's, given to every reward
+# a record's, given to every reward
+FIELDS = ("question", "answer", "category", "rubric", "constraints", "tests")
 
 
 def unbound_judge(prompts, completions, **_) -> list[float]:
@@ -44,7 +48,10 @@ def unbound_judge(prompts, completions, **_) -> list[float]:
 
 BUILTIN: dict[str, RewardFn] = {"format_exact": format_exact, "format_partial": format_partial,
                                 "correct": correct, "relevance": relevance,
-                                "repetition": repetition, "judge": unbound_judge}
+                                "repetition": repetition, "judge": unbound_judge,
+                                "instructions": instructions_lib.instructions,
+                                "tests_pass": sandbox.tests_pass}
+THREADED = ("judge", "tests_pass")  # built-ins that wait (on a model, on programs)
 
 
 def resolve(name: str) -> RewardFn:
@@ -105,9 +112,17 @@ class Rewards:
                           f"record {i}); name it in a reward's categories, or give one "
                           "categories: null")
       for k in scoring:
-        if getattr(self.fns[k], "needs_answer", False) and r.get("answer") is None:
+        fn, name = self.fns[k], self.names[k]
+        if getattr(fn, "needs_answer", False) and r.get("answer") is None:
           raise DataError(f"{where}, record {i} (category {cat!r}) has no reference answer "
-                          f"(data.answer_field), which reward '{self.names[k]}' needs")
+                          f"(data.answer_field), which reward '{name}' needs")
+        for field, validate in (("constraints", instructions_lib.validate),
+                                ("tests", sandbox.validate_tests)):
+          if getattr(fn, f"needs_{field}", False):
+            if not r.get(field):
+              raise DataError(f"{where}, record {i} (category {cat!r}) has no {field} "
+                              f"(data.{field}_field), which reward '{name}' needs")
+            validate(r[field], f"{where}, record {i}")
 
   def take_timeouts(self) -> dict[str, int]:
     """{`reward/<name>/timeouts`: rows zeroed since the last call} for the rewards that zero
@@ -154,7 +169,7 @@ class Rewards:
     # math-verify's timeouts use signals, which only the main thread can set (in a worker
     # thread every answer it parses came out wrong)
     futures = {k: in_thread(lambda k=k: score(k)) for k, s in enumerate(self.specs)
-               if s.fn not in BUILTIN or s.fn == "judge"}
+               if s.fn not in BUILTIN or s.fn in THREADED}
     values = self._agreed([None if k in futures else score(k) for k in range(len(self.fns))],
                           futures, rows, n)
     scored = np.stack([~np.isnan(v) for v in values])
