@@ -21,7 +21,7 @@ from reasoner.engine import layout
 from reasoner.engine.teacher import Teacher
 from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
-from reasoner.rewards import judge as judge_lib
+from reasoner.rewards import judge as judge_lib, sandbox
 from reasoner.rewards.judge import Judge
 from reasoner.rewards.scoring import Rewards
 
@@ -139,6 +139,8 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
       log.info("judge.check: %.2f of its calls right on %d records (at least %.2f needed)",
                a["agreement"], a["n"], cfg.judge.min_agreement)
     c.rewards.bind("judge", judge)
+  if any(s.fn == "tests_pass" for s in cfg.rewards):
+    log.info("tests_pass: %s", sandbox.isolation())  # which isolation the code runs under
   if teacher:
     setup.teacher = Teacher.for_run(setup, c.devices.teacher)
   return setup

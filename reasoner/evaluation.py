@@ -6,6 +6,9 @@ accuracy (the most frequent extracted answer against the reference).
 Each evaluation covers the held-out split (logged as eval/<metric>) and every named set of
 `eval.sets` (eval/<name>/<metric>; its figures also under "sets" in the held-out result).
 Where the records have categories, the mean reward of each (`mean_reward/<category>`); where
+they carry constraints (`rewards.instructions`), IFEval's four numbers (`ifeval/...`: prompt- and
+instruction-level, strict and loose), and such a row is correct when it follows all of its
+constraints strictly (so its accuracy is the prompt-level strict figure, paired like any); where
 the run has a judge, the trained model's win rate against the model before training, judged
 pairwise in both orders (`win_rate`, and by category). `python -m reasoner eval` runs
 `eval_only` (and `sample` prints completions for one question); the training loop logs
@@ -30,6 +33,7 @@ from reasoner.engine.checkpoint import restore_lora
 from reasoner.engine.metrics import MetricsWriter
 from reasoner.engine.sampler import Sampler, SamplingConfig
 from reasoner.rewards import builtin as rewards_lib
+from reasoner.rewards import instructions as instructions_lib
 from reasoner.rewards import scoring
 from reasoner.rewards.judge import Judge
 
@@ -72,6 +76,11 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
     rows += [{"question": r["question"], "answer": r["answer"], "category": r.get("category"),
               "completion": t, "reward": float(v)}
              for r, t, v in zip(chunk, comps.texts, total)]
+  checked = [i for i, r in enumerate(records) if r.get("constraints")]
+  strict, loose = instructions_lib.judge([rows[i]["completion"] for i in checked],
+                                         [records[i]["constraints"] for i in checked])
+  for i, followed in zip(checked, strict):
+    correct[i] = float(all(followed))
   for row, c in zip(rows, correct):
     row["correct"] = None if math.isnan(c) else float(c)
   result = {"mean_reward": float(np.mean(totals)), "accuracy": rewards_lib.nan_mean(correct),
@@ -79,6 +88,8 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple
             "mean_reward_se": standard_error(totals), "accuracy_se": standard_error(correct),
             "format_rate_se": standard_error(fmt),
             **by_category(totals, [r.get("category") for r in records]),
+            **({f"ifeval/{k}": v for k, v in instructions_lib.ifeval_scores(strict, loose).items()}
+               if checked else {}),
             **setup.rewards.take_timeouts()}  # this evaluation's, not the next step's
   if cfg.eval.samples:
     result.update(sampled(setup, sampler, lora, records))
@@ -168,6 +179,12 @@ def print_eval(tag: str, result: dict, rows: list, n_samples: int, name: str = "
             if k.startswith(f"{what}/")]
     if cats:
       tqdm.write(f"  {what.replace('_', ' ')} by category: {', '.join(cats)}")
+  if "ifeval/prompt_level_strict" in result:
+    tqdm.write("  IFEval: prompt-level strict {prompt_level_strict:.3f} +/- "
+               "{prompt_level_strict_se:.3f}, loose {prompt_level_loose:.3f}; instruction-level "
+               "strict {instruction_level_strict:.3f}, loose {instruction_level_loose:.3f}".format(
+                   **{k.split("/", 1)[1]: v for k, v in result.items()
+                      if k.startswith("ifeval/")}))
   if "win_rate" in result:
     tqdm.write(f"  win rate against the model before training (the judge, both orders, "
                f"{result['win_rate_n']} questions): {result['win_rate']:.3f}")

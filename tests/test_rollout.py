@@ -156,6 +156,30 @@ def test_sampled_evaluation_reports_pass_at_k(setup, monkeypatch):
   assert 0 <= result["majority"] <= 1
 
 
+def test_records_with_constraints_report_ifeval_and_are_correct_when_all_are_followed(setup):
+  """Where held-out records carry constraints, the evaluation reports IFEval's four numbers of
+  the greedy completions (against `instructions.judge` on them), and such a row is correct
+  when it follows all of its constraints strictly."""
+  from reasoner import evaluation
+  from reasoner.rewards import instructions
+  from reasoner.rewards.scoring import Rewards
+
+  s = dataclasses.replace(setup, rewards=Rewards(setup.cfg.rewards))  # the config's own
+  no_zebra = {"kind": "keywords:forbidden_words", "args": {"forbidden_words": ["zebra"]}}
+  records = [{"question": "Say hi.", "answer": None, "constraints": [no_zebra]},
+             {"question": "Shout hi.", "answer": None,
+              "constraints": [no_zebra, {"kind": "change_case:english_capital", "args": {}}]},
+             {"question": "What is 2 + 2?", "answer": "4"}]
+  result, rows = evaluation.evaluate(s, Sampler.for_run(s), s.lora, records)
+  strict, loose = instructions.judge([r["completion"] for r in rows[:2]],
+                                     [r["constraints"] for r in records[:2]])
+  want = instructions.ifeval_scores(strict, loose)
+  assert {k: result[f"ifeval/{k}"] for k in want} == want
+  assert [rows[i]["correct"] for i in (0, 1)] == [float(all(s)) for s in strict]
+  assert rows[2]["correct"] in (0.0, 1.0)  # the math row keeps its answer's check
+  assert result["accuracy"] == pytest.approx(np.mean([r["correct"] for r in rows]))
+
+
 def test_named_eval_sets_are_evaluated_and_logged_under_their_names(tmp_path):
   """`eval.sets` from a config override: a jsonl file with its own field names and an
   arithmetic set at another difficulty, evaluated beside the held-out split and logged as

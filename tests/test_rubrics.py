@@ -94,6 +94,38 @@ def test_rubric_scores_equal_a_dense_forward_of_each_criterion(setup):
   assert len({round(float(x), 6) for x in per_fn["judge"][:3]}) == 3
 
 
+def test_a_rubric_mixing_checks_and_judged_criteria_equals_its_dense_computation(setup):
+  """Checks ({check: kind, args, weight}) are 1 or 0 from the instruction's check on the answer
+  and cost no judge row; the judged criteria keep their dense yes-probabilities; the score
+  weighs them all. A rubric's judged criteria, not its checks, count against max_criteria."""
+  from reasoner.rewards import judge as judge_lib
+
+  judge = setup.rewards.fns[0]
+  rubric = sources.rubric([{"check": "punctuation:no_comma", "weight": 2},
+                           {"criterion": "The poem is about the sea.", "weight": 3},
+                           {"check": "keywords:existence", "args": {"keywords": ["tide"]},
+                            "weight": 1},
+                           {"criterion": "The poem rhymes badly.", "weight": -1}], "r", "k")
+  assert judge_lib.judged(rubric) == ["The poem is about the sea.", "The poem rhymes badly."]
+  texts = ["<answer>The tide breathes slow</answer>", "<answer>Sand, sun and wind</answer>"]
+  q = "Write a line on the sea."
+  got = judge([q, q], texts, question=[q, q], answer=[None, None], rubric=[rubric, rubric])
+  model = setup.model(lora_lib.zeros_like(setup.lora))
+  w = np.asarray([2.0, 3.0, 1.0, -1.0])
+  for text, checks, score in zip(texts, ([1.0, 1.0], [0.0, 0.0]), got):
+    prompts = [CRITERION.format(question=q, response=text, criterion=c, reference="(none given)")
+               for c in judge_lib.judged(rubric)]
+    yes = dense_grade_probs(model, setup.tokenizer, prompts, "NY")[:, 1]
+    p = np.asarray([checks[0], yes[0], checks[1], yes[1]])
+    np.testing.assert_allclose(score, (p @ w + 1) / (6 + 1), rtol=1e-5, atol=1e-6)
+  many = [{"check": "punctuation:no_comma"}] * 6 + ["Judged."]  # 7 criteria, 1 judged
+  judge_lib.check_records(judge.cfg, [{"rubric": sources.rubric(many, "r", "k")}], "data")
+  with pytest.raises(DataError, match=r"data, record 0, its rubric's checks: constraint 0 has "
+                                      r"kind 'no_comma'"):
+    judge_lib.check_records(judge.cfg, [{"rubric": sources.rubric(
+        [{"check": "no_comma"}, "Judged."], "r", "k")}], "data")
+
+
 def test_pairwise_preference_is_a_dense_forward_in_both_orders_and_symmetric(setup):
   """P(first better) is the mean of P('A') with it shown first and P('B') with it shown second,
   each from full logits; swapping gives 1 - p; a response against itself gives 0.5."""

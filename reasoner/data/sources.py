@@ -80,10 +80,13 @@ def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> lis
   return out
 
 
-def rubric(value, where: str, key: str) -> tuple[tuple[str, float], ...] | None:
+def rubric(value, where: str, key: str) -> tuple[tuple[str | dict, float], ...] | None:
   """A record's rubric as ((criterion, weight), ...): a list of strings (weight 1) or of
   mappings with a `criterion` (or Rubrics as Rewards' `description` / `title`) and a `weight`,
-  negative for a pitfall. One positive weight at least, else nothing could be earned."""
+  negative for a pitfall. A criterion code can decide is a check instead, {check: kind, args:
+  {...}, weight} with an instruction's kind (rewards/instructions.py; validated where the judge
+  is), kept as {"kind", "args"}: it costs no judge row. One positive weight at least, else
+  nothing could be earned."""
   if value is None:
     return None
   bad = lambda why: DataError(f"{where}: its rubric ({key}) {why}")
@@ -95,11 +98,13 @@ def rubric(value, where: str, key: str) -> tuple[tuple[str, float], ...] | None:
       item = {"criterion": item}
     text = isinstance(item, dict) and next(
         (item[k] for k in ("criterion", "description", "title") if item.get(k)), None)
+    if isinstance(item, dict) and isinstance(item.get("check"), str) and not text:
+      text = {"kind": item["check"], "args": item.get("args") or {}}
     weight = item.get("weight", 1.0) if isinstance(item, dict) else None
-    if not isinstance(text, str) or isinstance(weight, bool) or not isinstance(
+    if not isinstance(text, (str, dict)) or isinstance(weight, bool) or not isinstance(
         weight, (int, float)):
-      raise bad(f"criterion {j} = {item!r}: expected a text, or {{criterion: text, weight: "
-                "number}")
+      raise bad(f"criterion {j} = {item!r}: expected a text, {{criterion: text, weight: "
+                "number}} or {check: kind, args: {...}, weight: number}")
     out.append((text, float(weight)))
   if not any(w > 0 for _, w in out):
     raise bad(f"has no positive weight ({[w for _, w in out]}): a response could earn nothing")

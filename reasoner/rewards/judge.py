@@ -15,8 +15,10 @@ probability of "yes" against "no" (`judge.criterion_grades`). The reward is
     (sum_j w_j p_j - sum_{w_j<0} w_j) / (sum_{w_j>0} w_j - sum_{w_j<0} w_j)   in [0, 1]
 
 (`rubric_score`): the weighted share of the criteria met, a pitfall (w_j < 0, "yes" = the
-response falls into it) taking its weight off. `judge.max_criteria` bounds the rows a
-completion costs.
+response falls into it) taking its weight off. A criterion that code can decide ({check: kind,
+args, weight}: an instruction of `instructions`, e.g. "exactly four lines") is p_j = 1 or 0 from
+its check on the completion's answer, and costs no judge row: `judge.max_criteria` bounds the
+judged criteria, the rows a completion costs.
 
 `pairwise` compares two responses to a question in both orders (the evaluation's win rate of
 the trained model against the model before training).
@@ -43,6 +45,7 @@ from reasoner.errors import ConfigError
 from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
+from reasoner.rewards import instructions
 
 
 def grade_ids(cfg: JudgeConfig, tokenizer, key: str = "grades") -> list[int]:
@@ -76,15 +79,23 @@ def rubric_score(p_yes: np.ndarray, weights: np.ndarray) -> float:
   return float((p_yes @ weights - low) / (high - low))
 
 
+def judged(rubric) -> list:
+  """A rubric's criteria for the judge (its texts), checks left out."""
+  return [c for c, _ in rubric or () if isinstance(c, str)]
+
+
 def check_records(cfg: JudgeConfig, records, where: str) -> None:
-  """One line, before any model loads, for a rubric with more criteria than
-  `judge.max_criteria` allows (a completion's judge rows are bounded and planned)."""
+  """One line, before any model loads, for a rubric with more judged criteria than
+  `judge.max_criteria` allows (a completion's judge rows are bounded and planned), or a check
+  that cannot be checked."""
   for i, r in enumerate(records):
-    n = len(r.get("rubric") or ())
+    n = len(judged(r.get("rubric")))
     if n > cfg.max_criteria:
       raise ConfigError(f"config key 'judge.max_criteria' = {cfg.max_criteria}: {where}, record "
-                        f"{i} has a rubric of {n} criteria; set it to the most a record has "
-                        "(each criterion is a judge row for every completion)")
+                        f"{i} has a rubric of {n} judged criteria; set it to the most a record "
+                        "has (each is a judge row for every completion)")
+    checks = [c for c, _ in r.get("rubric") or () if isinstance(c, dict)]
+    instructions.validate(checks, f"{where}, record {i}, its rubric's checks")
 
 
 JUNK = "the the the the the the the the"
@@ -192,7 +203,7 @@ class Judge:
     """A completion's prompts, one a criterion of its record's rubric."""
     ref = answer if answer is not None else "(none given)"
     return [self.cfg.criterion_prompt.format(question=question, response=completion,
-                                             reference=ref, criterion=c) for c, _ in rubric]
+                                             reference=ref, criterion=c) for c in judged(rubric)]
 
   def probs(self, texts: list[str], grades: jax.Array | None = None) -> np.ndarray:
     """[n, K] probabilities of the K tokens `grades` (default: `judge.grades`) among
@@ -237,11 +248,13 @@ class Judge:
                           "to the most criteria a record has")
       texts = [t for i in graded
                for t in self.criterion_texts(completions[i], question[i], answer[i], rubric[i])]
-      yes = self.probs(texts, self.yes_no)[:, 1]
-      k = 0
-      for i in graded:
-        w = np.asarray([w for _, w in rubric[i]], np.float32)
-        out[i], k = rubric_score(yes[k:k + len(w)], w), k + len(w)
+      yes = iter(self.probs(texts, self.yes_no)[:, 1] if texts else ())
+      for i in graded:  # a check's p is its result on the answer, a judged one the judge's
+        text = instructions.answer_text(completions[i])
+        p = [float(instructions.follows(c["kind"], c["args"], text)) if isinstance(c, dict)
+             else next(yes) for c, _ in rubric[i]]
+        out[i] = rubric_score(np.asarray(p, np.float32),
+                              np.asarray([w for _, w in rubric[i]], np.float32))
     return list(map(float, out))
 
   def pairwise(self, first, second, question, answer) -> np.ndarray:
