@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from reasoner.config import DataConfig
-from reasoner.data import arithmetic, prompts, sources
+from reasoner.data import arithmetic, hub, prompts, sources
 
 
 def test_arithmetic_is_deterministic_with_disjoint_held_out():
@@ -40,7 +40,7 @@ def test_local_files_with_configured_fields(tmp_path):
 def test_missing_path_and_offline_gsm8k_fail_fast(tmp_path, monkeypatch):
   with pytest.raises(sources.DataError, match=r"'data.path' = '.*nope.jsonl': the file does not"):
     sources.load_splits(DataConfig(source="jsonl", path=str(tmp_path / "nope.jsonl")))
-  monkeypatch.setattr(sources, "_online", lambda *a, **k: False)
+  monkeypatch.setattr(hub, "_online", lambda *a, **k: False)
   t = time.time()
   with pytest.raises(sources.DataError, match="huggingface.co, which cannot be reached"):
     sources.load_splits(DataConfig(source="gsm8k"))

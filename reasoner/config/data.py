@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import string
 from typing import Literal
 
 from reasoner.config.typed import fail as _fail
 
 
-Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "gsm8k"]
+Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k"]
+READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k")  # sources of rows, mapped by Fields
+_PATHS = {"hf": "a Hugging Face dataset id (OWNER/NAME) or a local folder or file",
+          "kaggle": "a Kaggle dataset, OWNER/DATASET or OWNER/DATASET/versions/N"}
+_TEMPLATES = ("response_template", "chosen_template", "rejected_template")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fields:
-  """The names of a file record's fields (data.*, data.mixture[], eval.sets[])."""
+  """The names of a record's fields, and templates writing responses from them (data.*,
+  data.mixture[], eval.sets[])."""
 
-  question_field: str = "question"
+  question_field: str = "question"  # a record's question (or its chat `messages`' user turn)
   answer_field: str = "answer"  # optional in a record: the reference answer
   category_field: str = "category"  # optional in a record: routes rewards (rewards[].categories)
   # SFT: the target text of a record (or a `messages` list ending in the model's turn)
@@ -34,18 +40,86 @@ class Fields:
   # optional in a record: the tests its code must pass, Python asserts (a string) or a list of
   # {input, output} stdin/stdout pairs (the `tests_pass` reward; rewards/sandbox.py)
   tests_field: str = "tests"
+  # SFT's target written from a record's fields instead of response_field (str.format_map), e.g.
+  # "<reasoning>{thinking}</reasoning>\n<answer>{solution}</answer>" ({{ and }}: a brace); a
+  # record without a field it names (or with null) is dropped and counted, or one error line
+  # with data.overlong: error
+  response_template: str | None = None
+  chosen_template: str | None = None  # the same for a pair's better response (chosen_field)
+  rejected_template: str | None = None  # and for its worse one (rejected_field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MixtureSource(Fields):
+class Hub:
+  """Where an hf or kaggle source's records are, beside its `path` (data.*, data.mixture[],
+  eval.sets[])."""
+
+  subset: str | None = None  # hf: the dataset's configuration, `name` in datasets (GSM8K: main)
+  split: str = "train"  # hf: the split read (eval.sets[]: the set's records)
+  # hf: the held-out split (e.g. test); null: the last num_eval records of `split` are held
+  # out, as for files
+  eval_split: str | None = None
+  revision: str | None = None  # hf: a branch, tag or commit of a Hub dataset
+  # hf (and gsm8k): read only the first data.num_train records (+ num_eval without an
+  # eval_split; eval.sets[]: num) as they stream, rather than downloading the whole dataset
+  streaming: bool = False
+  # kaggle: the jsonl, json, parquet or csv file inside the dataset (path: OWNER/DATASET)
+  file: str | None = None
+
+
+def template_fields(template: str, key: str) -> tuple[str, ...]:
+  """The record fields a response template names, its syntax checked (`key`: its config key)."""
+  expected = ("a template of record fields in braces, e.g. '<answer>{solution}</answer>' ({{ "
+              "and }} for a brace)")
+  try:
+    names = [n for _, n, _, _ in string.Formatter().parse(template) if n is not None]
+  except ValueError as e:
+    _fail(key, template, f"{expected}: {e}")
+  for n in names:
+    if not re.fullmatch(r"[^.\[\]]+", n) or n.isdigit():
+      _fail(key, template, f"{expected}: {{{n}}} is not a field name")
+  return tuple(dict.fromkeys(names))
+
+
+def check_source(c, key: str) -> None:
+  """A source's path, reading options and templates (`c`: data, a mixture source or an
+  evaluation set; `key`: its section, e.g. data.mixture[name])."""
+  own = "data.source" if key == "data" else "its source"
+  if c.source in READ and c.source != "gsm8k" and not c.path:
+    _fail(f"{key}.path", c.path, f"{_PATHS.get(c.source, 'a file path')} when {own} is "
+          f"'{c.source}'")
+  if c.source == "kaggle":
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+(/versions/\d+)?", c.path):
+      _fail(f"{key}.path", c.path, _PATHS["kaggle"])
+    if not c.file or not c.file.endswith((".jsonl", ".json", ".parquet", ".csv")):
+      _fail(f"{key}.file", c.file, "a .jsonl, .json, .parquet or .csv file in the Kaggle dataset")
+  elif c.file is not None:
+    _fail(f"{key}.file", c.file, f"null unless {own} is 'kaggle'")
+  if getattr(c, "eval_path", None) is not None and c.source in ("hf", "kaggle", "gsm8k"):
+    _fail(f"{key}.eval_path", c.eval_path, "null unless the source is a file (jsonl, parquet, "
+          "csv); hf holds out its eval_split or the last num_eval records")
+  for k, default, allowed in (("subset", None, ("hf",)), ("split", "train", ("hf",)),
+                              ("eval_split", None, ("hf",)), ("revision", None, ("hf", "gsm8k")),
+                              ("streaming", False, ("hf", "gsm8k"))):
+    if getattr(c, k) != default and c.source not in allowed:
+      shown = {None: "null", False: "false"}.get(default, repr(default))
+      _fail(f"{key}.{k}", getattr(c, k), f"{shown} unless {own} is "
+            + " or ".join(repr(a) for a in allowed))
+  for k in _TEMPLATES:
+    if getattr(c, k) is not None:
+      template_fields(getattr(c, k), f"{key}.{k}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureSource(Hub, Fields):
   """One source of a mixture (`data.mixture`): its records are drawn in proportion to `weight`
   (grain's weighted mix), each keeping its category; `num_eval` of them are held out."""
 
   name: str
   weight: float = 1.0
   source: Source = "jsonl"
-  path: str | None = None
-  eval_path: str | None = None
+  path: str | None = None  # as data.path, for its source
+  eval_path: str | None = None  # as data.eval_path
   num_eval: int = 16
   category: str | None = None  # for its records that name none (e.g. math for the arithmetic)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
@@ -56,8 +130,7 @@ class MixtureSource(Fields):
       _fail("data.mixture[].name", self.name, "letters, digits, '_', '.' or '-'")
     if not self.weight > 0:
       _fail(f"{key}.weight", self.weight, "a positive number (its share of the draws)")
-    if self.source in ("jsonl", "parquet") and not self.path:
-      _fail(f"{key}.path", self.path, f"a file path when its source is '{self.source}'")
+    check_source(self, key)
     if self.num_eval < 0:
       _fail(f"{key}.num_eval", self.num_eval, "0 or a positive integer")
 
@@ -98,17 +171,24 @@ class CurriculumConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig(Fields):
+class DataConfig(Hub, Fields):
   """Where questions and reference answers come from, and how prompts are written."""
 
+  # arithmetic and instructions: generated; jsonl, parquet, csv: a file; hf: a Hugging Face
+  # dataset; kaggle: a file in a Kaggle dataset; gsm8k: hf with GSM8K's mapping (openai/gsm8k,
+  # main, train and test, its worked solutions as responses)
   source: Source = "arithmetic"
-  path: str | None = None  # file for jsonl / parquet
+  # jsonl / parquet / csv: the file; hf: a dataset id or a local folder (Dataset.save_to_disk,
+  # or parquet, json, jsonl or csv files) or file; kaggle: OWNER/DATASET[/versions/N]; gsm8k: a
+  # local copy of it (default: openai/gsm8k)
+  path: str | None = None
   eval_path: str | None = None  # held-out file; default: the last num_eval records of `path`
   # several sources, drawn by weight (source and path then unused): [{name, weight, source,
   # path, category, ...}, ...]
   mixture: tuple[MixtureSource, ...] | None = None
   curriculum: CurriculumConfig | None = None  # the RL stages' order (data/curriculum.py)
-  num_train: int = 2000  # arithmetic: problems generated for training
+  # arithmetic: problems generated for training; a streamed hf source: records read for it
+  num_train: int = 2000
   num_eval: int = 64  # held-out problems
   seed: int = 0
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
@@ -131,8 +211,7 @@ class DataConfig(Fields):
       if self.path or self.eval_path:
         _fail("data.path", self.path or self.eval_path, "null when data.mixture is set (each "
               "source names its own path)")
-    elif self.source in ("jsonl", "parquet") and not self.path:
-      _fail("data.path", self.path, f"a file path when data.source is '{self.source}'")
+    check_source(self, "data")
     for f in ("num_train", "num_eval", "max_prompt_tokens"):
       if getattr(self, f) < 1:
         _fail(f"data.{f}", getattr(self, f), "a positive integer")
@@ -140,13 +219,13 @@ class DataConfig(Fields):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalSet(Fields):
+class EvalSet(Hub, Fields):
   """A named evaluation set beside the held-out split, e.g. a benchmark's test file:
   {name: gsm8k, source: gsm8k} or {name: mine, source: jsonl, path: eval.jsonl, num: 200}."""
 
   name: str
   source: Source
-  path: str | None = None  # file for jsonl / parquet
+  path: str | None = None  # as data.path, for its source
   num: int = 64  # the first `num` records (arithmetic: generated beside the training problems)
   difficulty: Literal["easy", "medium", "hard"] = "easy"  # arithmetic only
   # generated sets only (data.held_out_by: template): record, new questions in the training
@@ -162,9 +241,9 @@ class EvalSet(Fields):
   def __post_init__(self):
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) or self.name == "held-out":
       _fail("eval.sets[].name", self.name, "letters, digits, '_', '.' or '-', not 'held-out'")
-    if self.source in ("jsonl", "parquet") and not self.path:
-      _fail(f"eval.sets[{self.name}].path", self.path,
-            f"a file path when its source is '{self.source}'")
+    check_source(self, f"eval.sets[{self.name}]")
+    if self.eval_split is not None:
+      _fail(f"eval.sets[{self.name}].eval_split", self.eval_split, "null: a set reads its `split`")
     if self.num < 1:
       _fail(f"eval.sets[{self.name}].num", self.num, "a positive integer")
 

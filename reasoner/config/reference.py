@@ -43,7 +43,16 @@ def describe_type(tp: Any) -> str:
 
 
 def _comments(cls: type) -> dict[str, str]:
-  """{field: its comment}: the comment lines right above a field and the comment at its end."""
+  """{field: its comment}: the comment lines right above a field and the comment at its end,
+  where the field is written (a base dataclass's fields in the base)."""
+  out = {}
+  for base in reversed(cls.__mro__):
+    if dataclasses.is_dataclass(base):
+      out.update(_own_comments(base))
+  return out
+
+
+def _own_comments(cls: type) -> dict[str, str]:
   source = textwrap.dedent(inspect.getsource(cls))
   notes = {tok.start[0]: tok.string.lstrip("#").strip()
            for tok in tokenize.generate_tokens(io.StringIO(source).readline)

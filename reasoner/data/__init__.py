@@ -1,1 +1,2 @@
-"""Datasets (generated arithmetic, local files, GSM8K), prompt templates and the grain pipeline."""
+"""Datasets (generated arithmetic and instructions, local files, Hugging Face and Kaggle datasets,
+GSM8K), prompt templates and the grain pipeline."""

@@ -37,20 +37,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
-import os
 import pathlib
-import socket
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from reasoner import mesh as mesh_lib
+from reasoner import credentials, mesh as mesh_lib
 from reasoner.config import ConfigError, ModelConfig
+from reasoner.credentials import api_host, in_kaggle_notebook, reachable
 from reasoner.models import gemma
 from reasoner.models.tokenizer import SentencePieceTokenizer
 
@@ -68,78 +66,12 @@ class KaggleError(ConfigError):
 # ------------------------------------------------------------------------------ credentials
 
 def credential_source() -> str | None:
-  """Where kagglehub will find credentials (a name, never a value), or None. Kaggle notebook
-  secrets KAGGLE_USERNAME / KAGGLE_KEY are handed to kagglehub in memory."""
-  if os.environ.get("KAGGLE_API_TOKEN"):
-    return "KAGGLE_API_TOKEN"
-  if os.environ.get("KAGGLE_USERNAME") and os.environ.get("KAGGLE_KEY"):
-    return "KAGGLE_USERNAME/KAGGLE_KEY"
-  folder = pathlib.Path(os.environ.get("KAGGLE_CONFIG_DIR", pathlib.Path.home() / ".kaggle"))
-  if (folder / "kaggle.json").is_file():
-    _check_json(folder / "kaggle.json")
-    return str(folder / "kaggle.json")
-  for name in ("access_token", "access_token.txt"):
-    if (pathlib.Path.home() / ".kaggle" / name).is_file():
-      return f"~/.kaggle/{name}"
-  if _notebook_secrets():
-    return "Kaggle notebook secrets"
-  return None
-
-
-def _check_json(path: pathlib.Path) -> None:
-  """kaggle.json must be a JSON object with 'username' and 'key' (its values are never shown)."""
+  """Where kagglehub will find credentials (`credentials.credential_source`); a malformed
+  kaggle.json is a KaggleError."""
   try:
-    data = json.loads(path.read_text())
-  except (OSError, ValueError):
-    raise KaggleError(f"{path} is not valid JSON; expected "
-                      '{"username": "...", "key": "..."} from kaggle.com/settings') from None
-  for k in ("username", "key"):
-    if not isinstance(data, dict) or not data.get(k):
-      raise KaggleError(f"{path} has no '{k}'; expected "
-                        '{"username": "...", "key": "..."} from kaggle.com/settings')
-
-
-def _notebook_secrets() -> bool:
-  """In a Kaggle notebook, secrets named KAGGLE_USERNAME and KAGGLE_KEY, if the user added them."""
-  if not in_kaggle_notebook():
-    return False
-  try:
-    from kaggle_secrets import UserSecretsClient  # only inside Kaggle notebooks
-
-    client = UserSecretsClient()
-    user, key = client.get_secret("KAGGLE_USERNAME"), client.get_secret("KAGGLE_KEY")
-  except Exception:  # no such secret, or not attached to the notebook
-    return False
-  if user and key:
-    import kagglehub.config
-
-    kagglehub.config.set_kaggle_credentials(user, key)
-  return bool(user and key)
-
-
-def in_kaggle_notebook() -> bool:
-  return "KAGGLE_KERNEL_RUN_TYPE" in os.environ  # set by Kaggle in every notebook session
-
-
-def api_host() -> tuple[str, int]:
-  """The host and port kagglehub downloads from (KAGGLE_API_ENVIRONMENT selects it)."""
-  from urllib.parse import urlparse
-
-  try:
-    from kagglesdk.kaggle_env import get_endpoint, get_env
-
-    url = urlparse(get_endpoint(get_env()))
-  except Exception:  # an unknown KAGGLE_API_ENVIRONMENT: kagglehub will complain itself
-    url = urlparse("https://api.kaggle.com")
-  return url.hostname or "api.kaggle.com", url.port or (443 if url.scheme == "https" else 80)
-
-
-def reachable(host: str, port: int, timeout: float = 3.0) -> bool:
-  try:
-    socket.create_connection((host, port), timeout=timeout).close()
-  except OSError:
-    return False
-  return True
+    return credentials.credential_source()
+  except credentials.CredentialsError as e:
+    raise KaggleError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------ locating
@@ -182,15 +114,10 @@ def find_layout(root: pathlib.Path, variant: str | None = None,
 
 def _cached(handle: str) -> pathlib.Path | None:
   """The newest complete copy of `handle` in kagglehub's cache (usable offline), or None."""
-  from kagglehub.cache import Cache
   from kagglehub.handle import parse_model_handle
 
-  h, cache = parse_model_handle(handle), Cache()
-  base = pathlib.Path(cache.get_path(h.with_version(1))).parent
-  versions = [h.version] if h.is_versioned() else sorted(
-      (int(p.name) for p in base.glob("*") if p.name.isdigit()), reverse=True)
-  hits = (cache.load_from_cache(h.with_version(v)) for v in versions)
-  return next((pathlib.Path(hit) for hit in hits if hit), None)
+  hit = credentials.newest_cached(parse_model_handle(handle))
+  return None if hit is None else hit[1]
 
 
 def _missing(handle: str, what: str) -> KaggleError:
@@ -215,9 +142,7 @@ def resolve(m: ModelConfig) -> tuple[str, pathlib.Path | str]:
     log.info("using the cached download of %s at %s (no network or no credentials)", handle, cached)
     return "path", cached
   if creds is None:
-    raise _missing(handle, "no Kaggle credentials were found: set KAGGLE_USERNAME and "
-                   "KAGGLE_KEY (or KAGGLE_API_TOKEN), write ~/.kaggle/kaggle.json "
-                   '({"username": ..., "key": ...}), or add them as Kaggle notebook secrets')
+    raise _missing(handle, credentials.NO_CREDENTIALS)
   raise _missing(handle, f"{host}:{port} cannot be reached (offline?); connect to the network")
 
 
@@ -243,23 +168,8 @@ def fetch(m: ModelConfig) -> Layout:
   return find_layout(pathlib.Path(local), variant(m), key="model.kaggle_handle")
 
 
-def _scrub(text: str) -> str:
-  """`text` with every credential kagglehub may hold (from any source) replaced by ***."""
-  import kagglehub.config
-
-  try:
-    c = kagglehub.config.get_kaggle_credentials()
-  except Exception:  # a malformed kaggle.json: nothing of it was used
-    c = None
-  for secret in (os.environ.get("KAGGLE_KEY"), os.environ.get("KAGGLE_API_TOKEN"),
-                 getattr(c, "key", None), getattr(c, "api_key", None)):
-    if secret:
-      text = text.replace(secret, "***")
-  return text
-
-
 def _download_error(handle: str, e: Exception) -> str:
-  text = _scrub(" ".join(str(e).split()))[:300]
+  text = credentials.scrub(" ".join(str(e).split()))[:300]
   hint = ""
   if "403" in text or "401" in text:
     hint = ("; check the credentials and accept the Gemma license on kaggle.com/models/"
