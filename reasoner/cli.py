@@ -1,4 +1,4 @@
-"""`python -m reasoner train|sft|prefer|distill|eval|sample|plan|export|config --config FILE
+"""`python -m reasoner train|sft|prefer|distill|eval|sample|data|plan|export|config --config FILE
 [key=value ...]`: parse, build, call."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                                  "(distill.teacher or distill.teacher_lora) scores each token"),
                      ("eval", "greedy accuracy and format rate on the held-out split"),
                      ("sample", "print completions for one question"),
+                     ("data", "what the model will be shown, with no model loaded: "
+                              "each source's records, categories, token lengths against the "
+                              "budgets, and two rendered examples"),
                      ("plan", "per-chip HBM and step time on a TPU slice, compiled ahead of "
                               "time on this machine"),
                      ("export", "the run's LoRA merged into the base, as a Kaggle Flax checkpoint "
@@ -46,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     if name == "sample":
       c.add_argument("--question", required=True)
       c.add_argument("-n", type=int, default=1, help="completions (1: greedy)")
+    if name == "data":
+      c.add_argument("--stage", choices=("grpo", "sft", "prefer", "distill"), default="grpo",
+                     help="whose response budget: grpo and distill rollout.max_new_tokens, sft "
+                          "sft.max_response_tokens, prefer prefer.max_response_tokens")
     if name == "plan":
       c.add_argument("--topology", default="v5e:2x4",
                      help="TPU topology, 'local' (this host's accelerators) or 'cpu'")
@@ -168,6 +175,11 @@ def _main(args, argv: list[str], debug: bool) -> int:
       _config(args)
       return 0
     cfg = load_config(args.config, args.overrides)
+    if args.command == "data":  # no devices started: it reads no model
+      from reasoner import datareport
+
+      datareport.report(cfg, args.stage)
+      return 0
     _run(args, cfg, argv)
   except (UserError, FileNotFoundError, FloatingPointError) as e:
     if debug:
