@@ -61,8 +61,8 @@ if importlib.util.find_spec("reasoner") is None:
 # ## Parameters
 # `CONFIG` is a preset from `configs/`: `configs/gemma3_1b.yaml` (GSM8K) or
 # `configs/gemma3_1b_general.yaml` (general reasoning with a 12B rubric judge; attach
-# `google/gemma-3/flax/gemma3-12b-it` too, and replace its `data/general.jsonl`, the schema's
-# twelve-record example, with your own file of records with categories and rubrics).
+# `google/gemma-3/flax/gemma3-12b-it` too; its public datasets download on first use with the
+# notebook's Internet on, or read a copy attached as a Kaggle dataset: see the preset).
 # `OVERRIDES` are dotted settings on top of it (`train.steps=200`, `rollout.temperature=0.8`,
 # `train.resume_from=...`). `SFT` and `PREFER`: None, or the overrides of a supervised
 # fine-tuning stage and of a preference stage before GRPO (below). Papermill sets them:

@@ -5,7 +5,9 @@ random-weight checkpoint of the real shapes, written in the Kaggle Flax layout (
 sharded, written by orbax shard by shard) with the embedded model's `tokenizer.model`. Lengths
 are cut (steps, G, new tokens, held-out problems, and the first 4 of the decoder layers, read from
 the full checkpoint) and GSM8K is replaced by the generated arithmetic set (it needs the
-network; a mixture keeps its other sources, each held-out part cut to 8 at most). A preset with a
+network; so do a mixture's Hugging Face and Kaggle sources, which become one source of
+data/general.jsonl, the records' schema by example, with their weight; a mixture keeps its
+other sources, each held-out part cut to 8 at most). A preset with a
 judge of its own (gemma3_1b_general: a Gemma 3 12B-it on 4 of the 8 chips) gets a random judge
 checkpoint of the judge's real widths and vocabulary, its first 4 layers written and read, on
 its own devices; a random judge cannot pass `judge.check`, so the rehearsal turns the check off
@@ -50,12 +52,18 @@ def cuts(cfg, judge_dir: pathlib.Path) -> list[str]:
     out += ["data.source=arithmetic", "data.num_eval=8"]
   else:
     mix, default = [], {f.name: f.default for f in dataclasses.fields(cfg.data.mixture[0])}
+    hub = [m for m in cfg.data.mixture if m.source in ("hf", "kaggle")]
     for m in cfg.data.mixture:
+      if m in hub:
+        continue
       d = {k: v for k, v in dataclasses.asdict(m).items() if v != default[k]}
       d.update(source=m.source, num_eval=min(m.num_eval, 8))
       if m.source == "gsm8k":
         d.update(source="arithmetic", category="math")
       mix.append(d)
+    if hub:  # the Hub's and Kaggle's datasets need the network: the schema's example instead
+      mix.append({"name": "general", "source": "jsonl", "path": "data/general.jsonl",
+                  "weight": sum(m.weight for m in hub), "num_eval": 4})
     out.append(f"data.mixture={json.dumps(mix)}")
   if own_judge(cfg):
     out += [f"judge.model.path={judge_dir}", *JUDGE_CUT]
