@@ -14,10 +14,13 @@ Each run trains in its own subprocess (`python -m reasoner train`, the evaluatio
 problems there), one after the other. Changes are paired by question against the base (the
 standard error of the per-question differences). Runs (`RUNS`): the default (beta 0.04); beta
 0; a lower and a higher learning rate; the record split (every wording trained, so its
-by-template problems are no longer new to it: the gap is what a record split overstates).
+by-template problems are no longer new to it: the gap is what a record split overstates);
+`sft`, `make sft`'s two stages (SFT on worked solutions, then GRPO from its LoRA, both on the
+plain prompt, on which it is evaluated; `STAGED`).
 
 Goals (issue 52): the default's by-template gain at least 0.10 and 2 standard errors; its
-retention change within 1 standard error of zero, or positive.
+retention change within 1 standard error of zero, or positive; the two-stage recipe's
+by-template gain over the base (its two-shot prompt) at least 2 standard errors.
 `GENERALISE_RUNS=default,beta0` runs a subset.
 """
 
@@ -38,15 +41,31 @@ CONFIG = "configs/embedded.yaml"
 # each run's overrides of the preset (the default: none)
 RUNS = {"default": [], "beta0": ["grpo.beta=0.0"], "lr_low": ["optim.learning_rate=1e-5"],
         "lr_high": ["optim.learning_rate=1e-4"], "record_split": ["data.held_out_by=record"]}
+# `make sft`'s GRPO stage (Makefile), from the SFT run's LoRA: the plain prompt, temperature 1,
+# dynamic sampling (after SFT most groups agree)
+SFT_GRPO = ["data.template=plain", "rollout.temperature=1.0", "grpo.dynamic_sampling=true",
+            "grpo.max_sample_batches=2"]
+# runs of more than one stage: (command, config, overrides) each, `{first}` the first's folder
+STAGED = {"sft": [("sft", "configs/embedded_sft.yaml", []),
+                  ("train", CONFIG, [*SFT_GRPO, "lora.init_from={first}"])]}
 QUIET = ["train.eval_before=false", "data.num_eval=8", "eval.sets=[]",
          "train.checkpoint_every=1000"]  # the training process evaluates a token set
 
 
-def train(root: pathlib.Path, name: str, overrides: list[str]) -> float:
+def stages(name: str) -> list[tuple[str, str, list[str]]]:
+  return STAGED.get(name) or [("train", CONFIG, RUNS[name])]
+
+
+def train(root: pathlib.Path, name: str) -> float:
+  """Each stage of run `name` as its own `python -m reasoner` process; the wall seconds."""
   t = time.perf_counter()
-  subprocess.run([sys.executable, "-m", "reasoner", "train", "--config", CONFIG,
-                  f"train.run_dir={root}", f"train.run_name={name}", *QUIET, *overrides],
-                 check=True)
+  steps = stages(name)
+  for i, (command, config, overrides) in enumerate(steps):
+    run = name if i == len(steps) - 1 else f"{name}_{command}"
+    subprocess.run([sys.executable, "-m", "reasoner", command, "--config", config,
+                    f"train.run_dir={root}", f"train.run_name={run}", *QUIET,
+                    *(o.format(first=root / f"{name}_{steps[0][0]}") for o in overrides)],
+                   check=True)
   return time.perf_counter() - t
 
 
@@ -71,24 +90,32 @@ def main() -> None:
 
   root = pathlib.Path(os.environ.get("GENERALISE_DIR") or tempfile.mkdtemp(prefix="generalise-"))
   names = [n for n in os.environ.get("GENERALISE_RUNS", ",".join(RUNS)).split(",") if n]
+  unknown = [n for n in names if n not in RUNS and n not in STAGED]
+  if unknown:
+    raise SystemExit(f"GENERALISE_RUNS: no run {', '.join(unknown)} (runs: "
+                     f"{', '.join([*RUNS, *STAGED])})")
   cfg = load_config(CONFIG, [f"train.run_dir={root}"])
   setup = build(cfg)
   sampler = Sampler.for_run(setup)
   problems = sets(cfg)
 
-  def evaluated(lora) -> dict[str, list[dict]]:
-    return {k: evaluate(setup, sampler, lora, recs)[1] for k, recs in problems.items()}
+  def evaluated(lora, run_setup=setup) -> dict[str, list[dict]]:
+    return {k: evaluate(run_setup, sampler, lora, recs)[1] for k, recs in problems.items()}
 
   t = time.perf_counter()
   base = evaluated(setup.lora)
   figures = {"base": {k: _mean(rows) for k, rows in base.items()},
              "eval_seconds": time.perf_counter() - t, "runs": {}}
   for name in names:
-    seconds = train(root, name, RUNS[name])
-    run_cfg = load_config(CONFIG, [f"train.run_dir={root}", f"train.run_name={name}"])
-    lora, step = restore_lora(dataclasses.replace(setup, cfg=run_cfg))
-    after = evaluated(lora)
-    figures["runs"][name] = {"overrides": RUNS[name], "step": step, "train_seconds": seconds,
+    seconds = train(root, name)
+    # evaluated with the prompt its last stage trained on (the base: its two-shot prompt)
+    template = [o for o in stages(name)[-1][2] if o.startswith("data.template=")]
+    run_cfg = load_config(CONFIG, [f"train.run_dir={root}", f"train.run_name={name}", *template])
+    run_setup = dataclasses.replace(setup, cfg=run_cfg)
+    lora, step = restore_lora(run_setup)
+    after = evaluated(lora, run_setup)
+    figures["runs"][name] = {"stages": [" ".join((c, f, *o)) for c, f, o in stages(name)],
+                             "step": step, "train_seconds": seconds,
                              **{k: paired_change(base[k], after[k]) for k in problems}}
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
     _write(figures, root)  # after every run: a long bench stopped early keeps what it measured
@@ -105,6 +132,10 @@ def _write(figures: dict, root: pathlib.Path) -> None:
                          at_most=False),
              common.goal("default run: retention change in standard errors (>= -1)",
                          d["retention"]["change"] / d["retention"]["se"], -1.0, at_most=False)]
+  if "sft" in runs:  # the two-stage recipe (make sft) against the base's two-shot prompt
+    t = runs["sft"]["by-template"]
+    goals.append(common.goal("SFT -> GRPO: by-template gain over the base in standard errors",
+                             t["change"] / t["se"], 2.0, at_most=False))
   path = common.write("generalise", figures, {"base": figures["base"]}, goals, runs=str(root),
                       config=CONFIG, commands="make train (the default run)")
   print(f"wrote {path}", flush=True)
