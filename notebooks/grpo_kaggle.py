@@ -40,7 +40,12 @@
 # %% [markdown]
 # ## Install
 # On Kaggle, attach the `reasoner` repository as a dataset (*Add Input*), or set
-# `REASONER_SOURCE` to a pip-installable location of it. Skipped when `reasoner` is importable.
+# `REASONER_SOURCE` to a pip-installable location of it. Where the machine has a TPU (its
+# device files or the variables its runtime sets, read before jax loads) this installs
+# `reasoner[tpu]`, whose jax, jaxlib and libtpu match; elsewhere plain `reasoner`. It then
+# prints their versions and the devices JAX sees; a TPU that JAX did not come up on is one
+# line with the pip command that fixes it. Skipped, but for that check, when `reasoner` is
+# importable.
 
 # %%
 import importlib.util
@@ -55,7 +60,20 @@ if importlib.util.find_spec("reasoner") is None:
     if source is None:
         raise SystemExit("reasoner is not installed: attach its repository as a dataset or set "
                          "REASONER_SOURCE (a path or git URL pip can install)")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
+    script = pathlib.Path(source, "reasoner", "install.py")
+    if not script.is_file():  # a git URL: reasoner alone first (its install module needs nothing)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", source],
+                       check=True)
+        importlib.invalidate_caches()
+        script = pathlib.Path(importlib.util.find_spec("reasoner.install").origin)
+    spec = importlib.util.spec_from_file_location("reasoner_install", script)
+    installer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installer)
+    installer.install(source)
+    importlib.invalidate_caches()
+from reasoner import install
+
+install.check()
 
 # %% [markdown]
 # ## Parameters
@@ -65,7 +83,10 @@ if importlib.util.find_spec("reasoner") is None:
 # notebook's Internet on, or read a copy attached as a Kaggle dataset: see the preset).
 # `OVERRIDES` are dotted settings on top of it (`train.steps=200`, `rollout.temperature=0.8`,
 # `train.resume_from=...`). `SFT` and `PREFER`: None, or the overrides of a supervised
-# fine-tuning stage and of a preference stage before GRPO (below). Papermill sets them:
+# fine-tuning stage and of a preference stage before GRPO (below). `UPLOAD`: None, or the Kaggle
+# model handle `OWNER/MODEL/FRAMEWORK/VARIATION` the export is uploaded to as a new version (the
+# notebook's Kaggle credentials; its notes: the config, the step, the held-out figures by
+# category). Papermill sets them:
 # `papermill grpo_kaggle.ipynb out.ipynb -p CONFIG configs/tiny.yaml`.
 
 # %% tags=["parameters"]
@@ -73,6 +94,7 @@ CONFIG = "configs/gemma3_1b.yaml"
 OVERRIDES = []
 SFT = None  # e.g. ["train.steps=300", "train.batch_size=16", "optim.learning_rate=1e-4"]
 PREFER = None  # e.g. [] (the preset's prefer section) or ["prefer.pairs=policy", "train.steps=100"]
+UPLOAD = None  # e.g. "<you>/gemma3-1b-grpo/flax/gemma3-1b-it": upload the export as a Kaggle model
 
 # %% [markdown]
 # ## The run
@@ -228,13 +250,23 @@ nb.by_category(run.results)
 # m = params.create_model_from_checkpoint(f"{out}/gemma3-1b-it", model.ModelConfig.gemma3_1b_it())
 # ```
 #
-# and `reasoner` with `model.path=<out>`. To hand it in as a Kaggle model:
-# `kagglehub.model_upload("<you>/<model>/flax/<variation>", str(out))`.
+# and `reasoner` with `model.path=<out>`. With `UPLOAD` set, the folder is uploaded as a new
+# version of that Kaggle model, with the run's notes, and the cell prints the model's ID; with no
+# credentials, or offline, it prints one line and the export stays on disk (the same as
+# `python -m reasoner export --config <preset> --out <dir> --upload <handle>`).
 
 # %%
 run.close()
 out = nb.export(run)
-sorted(p.name for p in out.iterdir())
+print(sorted(p.name for p in out.iterdir()))
+if UPLOAD:
+    from reasoner import export
+    from reasoner.errors import UserError
+
+    try:
+        print(f"model ID: {export.upload_run(cfg, out, UPLOAD, CONFIG)}")
+    except UserError as e:
+        print(e)
 
 # %% [markdown]
 # ## Continuing in a second session

@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
       c.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
       c.add_argument("--format", action="append", choices=("orbax", "safetensors"),
                      help="orbax (always written) and/or safetensors (Hugging Face names)")
+      c.add_argument("--upload", metavar="HANDLE", default=None,
+                     help="then upload DIR as a new version of the Kaggle model "
+                          "OWNER/MODEL/FRAMEWORK/VARIATION (e.g. you/gemma3-1b-grpo/flax/1b-it), "
+                          "notes from the run; a DIR already holding an export is uploaded as is")
   return p
 
 
@@ -125,7 +129,12 @@ def _run(args, cfg, argv: list[str]) -> None:
   elif args.command == "export":
     from reasoner import export
 
-    export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
+    if args.upload:
+      export.check_handle(args.upload)  # before minutes of merging, not after
+    if not (args.upload and (pathlib.Path(args.out) / "export.json").is_file()):
+      export.export(cfg, args.out, args.step, tuple({"orbax", *(args.format or [])}))
+    if args.upload:
+      export.upload_run(cfg, args.out, args.upload, args.config)
   elif args.command == "plan":
     from reasoner.planner import ahead, report
 

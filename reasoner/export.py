@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 import shutil
 import struct
 
@@ -33,11 +34,11 @@ import qwix
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from reasoner import mesh as mesh_lib
+from reasoner import credentials, mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import Config, ConfigError
 from reasoner.engine.checkpoint import held_back, remove_until_gone, restore_lora
-from reasoner.errors import is_write_failure, write_error
+from reasoner.errors import UserError, is_write_failure, write_error
 from reasoner.models import gemma, kaggle
 
 
@@ -279,3 +280,113 @@ def _sync(name: str) -> None:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
+
+
+# ------------------------------------------------------------------------------ the upload
+
+HANDLE_PARTS = ("OWNER", "MODEL", "FRAMEWORK", "VARIATION")
+LICENSE = "Apache 2.0"  # kagglehub's own example; Gemma's terms of use still bind the weights
+
+
+class UploadError(UserError):
+  """The export could not be uploaded (one line); the export itself stays on disk."""
+
+
+def check_handle(handle: str) -> str:
+  """`handle` if it is OWNER/MODEL/FRAMEWORK/VARIATION (a Kaggle model handle, no version), else
+  an UploadError naming what is wrong."""
+  from kagglehub.enum import to_enum
+  from kagglesdk.models.types.model_enums import ModelFramework
+
+  parts = handle.split("/")
+  what = f"--upload {handle!r}"
+  if len(parts) != len(HANDLE_PARTS):
+    extra = "; a version is given by Kaggle, not in the handle" if len(parts) == 5 else ""
+    raise UploadError(f"{what}: expected {'/'.join(HANDLE_PARTS)} (4 parts separated by '/'), "
+                      f"got {len(parts)}{extra}")
+  for name, part in zip(HANDLE_PARTS, parts):
+    if not part:
+      raise UploadError(f"{what}: its {name} is empty; expected {'/'.join(HANDLE_PARTS)}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", part):
+      raise UploadError(f"{what}: its {name} {part!r} may hold only letters, digits, '.', '_' and "
+                        "'-', starting with a letter or digit")
+  try:
+    to_enum(ModelFramework, parts[2])
+  except Exception:
+    raise UploadError(f"{what}: its FRAMEWORK {parts[2]!r} is not one Kaggle knows; this export "
+                      "is 'flax'") from None
+  return handle
+
+
+def version_notes(config: str, export_info: dict, results: dict, steps: int | None = None) -> str:
+  """The version's notes, from the run: the config, the step exported, and the held-out figures
+  (before -> after training; each category's mean reward) from its eval.json `results`."""
+  step = export_info.get("step")
+  lines = [f"{export_info.get('model', 'model')} with LoRA (rank "
+           f"{export_info.get('lora', {}).get('rank', '?')}) merged in, trained by reasoner with "
+           f"{config}: step {step}" + (f" of {steps}" if steps else "") + "."]
+  before, after = results.get("before") or {}, results.get("after") or {}
+  if not after and not before:
+    return lines[0] + "\nNo held-out evaluation was recorded."
+  fig = lambda key: " -> ".join(f"{r[key]:.3f}" for r in (before, after)
+                                if isinstance(r.get(key), (int, float)))
+  n = after.get("n", before.get("n"))
+  head = [f"{name} {fig(key)}" for key, name in (("accuracy", "accuracy"), ("format_rate",
+          "format rate"), ("mean_reward", "mean reward"), ("win_rate", "judge win rate"))
+          if fig(key)]
+  lines.append(f"Held-out ({n} records{', before -> after training' if before and after else ''}"
+               f"): " + ", ".join(head) + ".")
+  cats = sorted({k.split("/", 1)[1] for r in (before, after) for k in r
+                 if k.startswith("mean_reward/")})
+  if cats:
+    lines.append("Mean reward by category: " + ", ".join(
+        f"{c} {fig(f'mean_reward/{c}')}" for c in cats) + ".")
+  return "\n".join(lines)
+
+
+def upload(out: str | pathlib.Path, handle: str, notes: str, license_name: str = LICENSE,
+           log=print) -> str:
+  """Uploads the export folder `out` as a new version of the Kaggle model `handle`; returns the
+  handle. No credentials, no network, or a refusal: an UploadError (one line, credentials
+  never shown) and `out` as it was."""
+  import kagglehub
+
+  out = pathlib.Path(out)
+  check_handle(handle)
+  if not (out / "export.json").is_file():
+    raise UploadError(f"{out} holds no export (no export.json): nothing was uploaded")
+  keep = f"the export stays in {out}; re-run the same command to upload it"
+  try:
+    source = credentials.credential_source()
+  except credentials.CredentialsError as e:
+    raise UploadError(f"not uploaded: {e}; {keep}") from None
+  if source is None:
+    raise UploadError(f"not uploaded: {credentials.NO_CREDENTIALS}; {keep}")
+  host, port = credentials.api_host()
+  if not credentials.reachable(host, port):
+    raise UploadError(f"not uploaded: {host}:{port} cannot be reached (offline, or the "
+                      f"notebook's Internet is off); {keep}")
+  log(f"uploading {out} to Kaggle model {handle} (credentials from {source})")
+  try:
+    kagglehub.model_upload(handle, str(out), license_name=license_name, version_notes=notes)
+  except Exception as e:  # kagglehub's HTTP errors, a refused handle, a dropped connection
+    text = credentials.scrub(" ".join(str(e).split()) or type(e).__name__)
+    raise UploadError(f"not uploaded to {handle}: {text[:300]}; {keep}") from None
+  log(f"uploaded: Kaggle model {handle} (https://www.kaggle.com/models/"
+      f"{'/'.join(handle.split('/')[:2])})")
+  return handle
+
+
+def upload_run(cfg: Config, out: str | pathlib.Path, handle: str, config: str,
+               log=print) -> str:
+  """`upload` of the export in `out` with the notes of the run it came from (its eval.json)."""
+  out = pathlib.Path(out)
+  if jax.process_index() != 0:  # one upload of the folder process 0 wrote
+    return handle
+  try:
+    info = json.loads((out / "export.json").read_text())
+  except (OSError, ValueError):
+    raise UploadError(f"{out} holds no readable export.json: nothing was uploaded") from None
+  eval_json = pathlib.Path(info.get("run", cfg.run_path)) / "eval.json"
+  results = json.loads(eval_json.read_text()) if eval_json.is_file() else {}
+  return upload(out, handle, version_notes(config, info, results, cfg.train.steps), log=log)
