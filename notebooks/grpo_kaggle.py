@@ -269,6 +269,20 @@ if UPLOAD:
         print(e)
 
 # %% [markdown]
+# ## The report
+# The run's figures in one place, from its own files (`python -m reasoner report <run>` writes
+# the same): reward by category, completion length, KL, entropy and clip fraction over the
+# steps, the before/after table with standard errors, completions before and after, and the
+# stages the run came from. The PNGs and report.md are in the run's `report/` folder.
+
+# %%
+from IPython.display import Markdown
+
+from reasoner import report
+
+Markdown(report.report(cfg.run_path).read_text())
+
+# %% [markdown]
 # ## Continuing in a second session
 # When the deadline stops training, the last checkpoint is in this notebook's output. In a new
 # session, add this notebook's output as an input (Kaggle mounts it read-only under

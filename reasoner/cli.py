@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="then upload DIR as a new version of the Kaggle model "
                           "OWNER/MODEL/FRAMEWORK/VARIATION (e.g. you/gemma3-1b-grpo/flax/1b-it), "
                           "notes from the run; a DIR already holding an export is uploaded as is")
+  r = sub.add_parser("report", help="RUN/report/: plots and report.md (the figures, the "
+                                    "samples, the stages) from a run's own files")
+  r.add_argument("run", help="the run's folder (train.run_dir / train.run_name)")
   return p
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
   unknown = [x for x in extra if "=" not in x or x.startswith("-")]
   if unknown:
     parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-  args.overrides = [*args.overrides, *(x for x in extra if x not in unknown)]
+  args.overrides = [*getattr(args, "overrides", []), *(x for x in extra if x not in unknown)]
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   for noisy in ("absl", "jax._src", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -182,6 +185,11 @@ def _main(args, argv: list[str], debug: bool) -> int:
   try:
     if args.command == "config":
       _config(args)
+      return 0
+    if args.command == "report":  # the run's own files: no config, no model
+      from reasoner import report
+
+      report.main(args.run)
       return 0
     cfg = load_config(args.config, args.overrides)
     if args.command == "data":  # no devices started: it reads no model
