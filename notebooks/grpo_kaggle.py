@@ -241,6 +241,20 @@ pairs
 nb.by_category(run.results)
 
 # %% [markdown]
+# ## The report
+# The run's figures in one place, from its own files (`python -m reasoner report <run>` writes
+# the same): reward by category, completion length, KL, entropy and clip fraction over the
+# steps, the before/after table with standard errors, completions before and after, and the
+# stages the run came from. The PNGs and report.md are in the run's `report/` folder.
+
+# %%
+from IPython.display import Markdown
+
+from reasoner import report
+
+Markdown(report.report(cfg.run_path).read_text())
+
+# %% [markdown]
 # ## Export the trained model
 # LoRA is merged into the base weights (in the base dtype) and written in the upstream Kaggle
 # Flax layout with its `tokenizer.model`. Tunix loads it with its own code:
@@ -267,20 +281,6 @@ if UPLOAD:
         print(f"model ID: {export.upload_run(cfg, out, UPLOAD, CONFIG)}")
     except UserError as e:
         print(e)
-
-# %% [markdown]
-# ## The report
-# The run's figures in one place, from its own files (`python -m reasoner report <run>` writes
-# the same): reward by category, completion length, KL, entropy and clip fraction over the
-# steps, the before/after table with standard errors, completions before and after, and the
-# stages the run came from. The PNGs and report.md are in the run's `report/` folder.
-
-# %%
-from IPython.display import Markdown
-
-from reasoner import report
-
-Markdown(report.report(cfg.run_path).read_text())
 
 # %% [markdown]
 # ## Continuing in a second session
