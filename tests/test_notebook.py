@@ -24,13 +24,14 @@ def test_ipynb_is_generated_from_the_py():
       "notebooks/grpo_kaggle.ipynb differs from grpo_kaggle.py: run `make notebook`")
 
 
-def test_parameters_cell_defines_only_config_overrides_and_stages():
+def test_parameters_cell_defines_only_config_overrides_stages_and_upload():
   cells = [c for c in nbformat.read(IPYNB, as_version=4).cells
            if "parameters" in c.metadata.get("tags", [])]
   assert len(cells) == 1
   names = {}
   exec(cells[0].source, {}, names)
-  assert sorted(names) == ["CONFIG", "OVERRIDES", "PREFER", "SFT"]
+  assert sorted(names) == ["CONFIG", "OVERRIDES", "PREFER", "SFT", "UPLOAD"]
+  assert names["UPLOAD"] is None  # nothing is uploaded unless asked
 
 
 def test_by_category_table_reads_the_results_per_category():

@@ -250,10 +250,11 @@ def test_the_planner_counts_a_row_a_criterion():
 
 
 def test_bad_rubrics_fail_in_one_line(tmp_path):
-  def data(rubric):
-    path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"question": "q", "category": "creative", "rubric": rubric}) + "\n")
-    return [f"data.path={path}", f"data.eval_path={path}"]
+  def data(rubric):  # the same rubric in training and held out, on another question
+    paths = tmp_path / "r.jsonl", tmp_path / "held.jsonl"
+    for path, q in zip(paths, ("q", "another q")):
+      path.write_text(json.dumps({"question": q, "category": "creative", "rubric": rubric}) + "\n")
+    return [f"data.path={paths[0]}", f"data.eval_path={paths[1]}"]
 
   for rubric, why in [
       ([{"criterion": "Has a pitfall only.", "weight": -1}],
@@ -265,7 +266,7 @@ def test_bad_rubrics_fail_in_one_line(tmp_path):
                        + why):
       build(tiny_config(*JUDGED, *data(rubric)))
   with pytest.raises(ConfigError, match=r"'judge.max_criteria' = 2: the training data, record 0 "
-                     r"has a rubric of 3 criteria"):
+                     r"has a rubric of 3 judged criteria"):
     build(tiny_config(*JUDGED, *data(["a", "b", "c"]), "judge.max_criteria=2"))
   with pytest.raises(ConfigError, match=r"'judge.criterion_prompt' = 'Is it good\?': expected a "
                      r"text with \{response\} and \{criterion\}"):

@@ -212,6 +212,7 @@ def test_a_file_without_responses_fails_before_the_model_loads(tmp_path):
                         f"data.path={path}", f"train.run_dir={tmp_path}"],
                        capture_output=True, text=True, cwd=ROOT)
   assert out.returncode == 2
-  assert out.stderr.strip().splitlines() == [
-      "error: sft: 3 of 3 records of the training data have no response "
-      "(data.response_field = 'response'; record 0 is the first)"]
+  lines = out.stderr.strip().splitlines()  # the data's summary line, then the error's one
+  assert lines[0].startswith(f"data: jsonl {path}: 6 read") and len(lines) == 2
+  assert lines[1] == ("error: sft: 3 of 3 records of the training data have no response "
+                      "(data.response_field = 'response'; record 0 is the first)")
