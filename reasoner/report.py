@@ -92,7 +92,12 @@ def series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 def plot_data(run_dir) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """{plot file: {series: [(step, value)]}}: what each plot draws, for the plots whose
   metrics the run logged."""
-  found = series(read_rows(pathlib.Path(run_dir) / "metrics.jsonl"))
+  return plots(read_rows(pathlib.Path(run_dir) / "metrics.jsonl"))
+
+
+def plots(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+  """`plot_data` from the rows of metrics.jsonl, already read."""
+  found = series(rows)
   out = {}
   for name, _, _, wanted in PLOTS:
     lines = {k: v for k, v in sorted(found.items()) if wanted(k)}
@@ -139,7 +144,7 @@ def report(run_dir) -> pathlib.Path:
   out = run / "report"
   out.mkdir(exist_ok=True)
   rows = read_rows(run / "metrics.jsonl")
-  made = draw(plot_data(run), out)
+  made = draw(plots(rows), out)
   results = _read_json(run / "eval.json")
   samples = _by_tag(read_rows(run / "samples.jsonl"))
   parts = [_header(run, rows), _before_after(results, samples), _curves(made),

@@ -57,6 +57,16 @@ def tiny_overrides(tmp_path):
   return [f"train.run_dir={tmp_path}"]
 
 
+def no_kaggle_credentials(monkeypatch, home):
+  """No Kaggle credentials anywhere kagglehub looks (the environment, `home`/.kaggle), and an
+  empty kagglehub cache under `home`."""
+  for k in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR",
+            "KAGGLE_KERNEL_RUN_TYPE"):
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.setenv("KAGGLEHUB_CACHE", str(home / "cache"))
+
+
 def tiny_config(*overrides, **kw):
   from reasoner.config import load_config
 

@@ -14,6 +14,7 @@ import time
 import datasets
 import pytest
 
+from conftest import no_kaggle_credentials
 from reasoner.config import ConfigError, DataConfig, EvalSet
 from reasoner.data import hub, sources
 from reasoner.errors import DataError
@@ -251,11 +252,7 @@ def test_a_split_subset_or_field_not_there_names_those_there_are(tmp_path):
 
 
 def test_kaggle_without_credentials_is_one_line(tmp_path, monkeypatch):
-  for k in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR",
-            "KAGGLE_KERNEL_RUN_TYPE"):
-    monkeypatch.delenv(k, raising=False)
-  monkeypatch.setenv("HOME", str(tmp_path))
-  monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path / "cache"))
+  no_kaggle_credentials(monkeypatch, tmp_path)
   with pytest.raises(DataError, match=exactly(
       "data.mixture[k].source 'kaggle' downloads 'train.csv' of alice/sums, but no Kaggle "
       "credentials were found: set KAGGLE_USERNAME and KAGGLE_KEY (or KAGGLE_API_TOKEN), write "
@@ -272,11 +269,7 @@ def test_kaggle_reads_kagglehubs_cache_offline(tmp_path, monkeypatch):
   """A cache laid out as kagglehub writes it (datasets/OWNER/DATASET/versions/N/FILE, with
   .complete/N/FILE.complete): without credentials kagglehub serves a versioned handle from it,
   and an unversioned one reads the newest version there."""
-  for k in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR",
-            "KAGGLE_KERNEL_RUN_TYPE"):
-    monkeypatch.delenv(k, raising=False)
-  monkeypatch.setenv("HOME", str(tmp_path))
-  monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path / "cache"))
+  no_kaggle_credentials(monkeypatch, tmp_path)
   base = tmp_path / "cache" / "datasets" / "alice" / "sums"
   for version, rows in ((1, ROWS[:4]), (3, ROWS)):
     (base / "versions" / str(version) / "data").mkdir(parents=True)

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from conftest import ROOT, shard_fraction, tiny_config, xla_flags
+from conftest import ROOT, no_kaggle_credentials, shard_fraction, tiny_config, xla_flags
 from reasoner import mesh as mesh_lib
 from reasoner.config import ConfigError, MeshConfig, ModelConfig
 from reasoner.models import gemma, kaggle
@@ -305,16 +305,8 @@ def test_local_path_layout_errors(tmp_path, download):
     kaggle.find_layout(tmp_path)
 
 
-def _no_credentials(monkeypatch, tmp_path):
-  for k in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR",
-            "KAGGLE_KERNEL_RUN_TYPE"):
-    monkeypatch.delenv(k, raising=False)
-  monkeypatch.setenv("HOME", str(tmp_path))
-  monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path / "cache"))
-
-
 def test_credentials_offline_and_cache(monkeypatch, tmp_path):
-  _no_credentials(monkeypatch, tmp_path)
+  no_kaggle_credentials(monkeypatch, tmp_path)
   m = KAGGLE_1B
   with pytest.raises(kaggle.KaggleError, match="no Kaggle credentials were found.*model.path"):
     kaggle.resolve(m)
