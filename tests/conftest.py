@@ -6,9 +6,20 @@ import shutil
 import tempfile
 
 
+# The suite's time is XLA:CPU compiling tiny programs (a GRPO step compiles in seconds and runs
+# in milliseconds). Without LLVM's optimisation passes and with the classic fused-loop emitters,
+# the tiny GRPO step compiles in 6 s of CPU rather than 14, to the same loss bit for bit (docs/
+# LOG.md, 2026-11-28). Collectives wait as long as a loaded two-core host needs: the default
+# terminate timeout aborted the process when eight fake devices' threads were starved.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1 "
+                "--xla_cpu_collective_call_terminate_timeout_seconds=3600 "
+                "--xla_cpu_collective_timeout_seconds=3600")
+
+
 def xla_flags(devices: int) -> str:
-  """XLA_FLAGS for a test's child process on `devices` fake CPU devices."""
-  return f"--xla_force_host_platform_device_count={devices}"
+  """XLA_FLAGS for a test's process, or its child's, on `devices` fake CPU devices."""
+  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))

@@ -87,10 +87,14 @@ def test_model_with_our_attention_matches_tunix(remat):
   np.testing.assert_allclose(np.asarray(h)[np.asarray(valid)],
                              np.asarray(h_ref)[np.asarray(valid)], rtol=1e-5, atol=1e-3)
   assert any("q_einsum" in str(p) for p, _ in nnx.to_flat_state(ref))
+  # Gradients as the other dense checks compare them (float32 sums in another order): without
+  # LLVM's optimisation (the suite's compile flags, tests/conftest.py) no multiply-add is
+  # contracted, and 2 of 256 elements differ by 1.5e-3 of themselves; a wrong mask or position
+  # moves whole gradients
   scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ref))
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     assert float(np.abs(b).max()) > 0  # every LoRA weight, attention's included, has a gradient
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4 * scale)
 
 
 def _saved_residuals(capsys, remat: str, tunix: bool) -> tuple[list[str], int]:

@@ -214,9 +214,10 @@ def test_micro_batches_give_the_one_pass_update(setup):
     # float32 sums in another order (measured: 1.3e-4 relative); a sum for a mean is 2x
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
   # an element whose gradient is near 0 moves by lr * g / (|g| + eps): its rounding is a share
-  # of lr (1e-3), so the weights agree to 5% of one step; a wrong accumulation flips whole steps
+  # of lr (1e-3), so the weights agree to a tenth of one step (measured: 5.2e-5 with the suite's
+  # compile flags); a wrong accumulation flips whole steps
   for a, b in zip(jax.tree.leaves(out[2][0]), jax.tree.leaves(out[None][0])):
-    np.testing.assert_allclose(a, b, rtol=0, atol=5e-5)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_policy_pairs_pair_the_best_with_the_worst():
