@@ -11,6 +11,7 @@ import time
 
 from reasoner.config.typed import fail as _fail
 
+LOGGERS = ("tensorboard", "wandb")
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
@@ -102,6 +103,10 @@ class TrainConfig:
   # previous Kaggle session's output under /kaggle/input); this run writes to run_dir/run_name.
   # Once this run has checkpoints of its own, it resumes from those.
   resume_from: str | None = None
+  # Where the metrics go besides metrics.jsonl: `tensorboard` (tb/) and `wandb` (Weights & Biases,
+  # the `wandb` extra: online with WANDB_API_KEY or `wandb login`, else offline under wandb/ to
+  # upload with `wandb sync`). A wandb that is missing or fails to start falls back to TensorBoard.
+  loggers: tuple[str, ...] = ("tensorboard",)
 
   def __post_init__(self):
     if self.deadline is not None:
@@ -122,6 +127,8 @@ class TrainConfig:
             f"a divisor of train.batch_size ({self.batch_size}) or null (the whole batch)")
     if self.eval_every < 0:
       _fail("train.eval_every", self.eval_every, "a non-negative integer")
+    if not self.loggers or not set(self.loggers) <= set(LOGGERS):
+      _fail("train.loggers", list(self.loggers), "a list of " + " and/or ".join(LOGGERS))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
       _fail("train.run_name", self.run_name, "letters, digits, '.', '_' or '-'")
 

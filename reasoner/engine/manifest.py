@@ -26,9 +26,9 @@ NAME = "run.json"
 FIXED = ("model.name", "model.layers", "model.tiny_layers", "model.tiny_embed_dim",
          "model.tiny_hidden_dim", "model.tiny_heads", "model.tiny_head_dim", "model.tiny_vocab",
          "lora.rank", "lora.alpha", "lora.module_path")
-# Where and for how long this session runs: not settings of the run.
+# Where and for how long this session runs, and where it logs: not settings of the run.
 SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name",
-           "lora.init_from")
+           "train.loggers", "lora.init_from")
 STAGE_NAMES = {"grpo": "a GRPO", "sft": "an SFT", "prefer": "a preference",
                "distill": "a distillation"}
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "google-tunix",

@@ -2,7 +2,8 @@
 
 Only process 0 writes; other processes get a writer that does nothing. A run resumed at step S
 (from its own checkpoint or another session's, `carry_over`) keeps each step's rows once: rows
-past S are dropped and TensorBoard purges its events past S.
+past S are dropped and TensorBoard purges its events past S. With `wandb` in `train.loggers`, the
+same scalars go to Weights & Biases as well (`wandb_log`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from reasoner.engine import wandb_log
+
 
 ROW_FILES = ("metrics.jsonl", "samples.jsonl")
 
@@ -28,10 +31,14 @@ def timed(metrics: dict, seconds: float) -> dict:
 
 
 class MetricsWriter:
-  def __init__(self, run_path: pathlib.Path, enabled: bool | None = None):
+  def __init__(self, run_path: pathlib.Path, enabled: bool | None = None,
+               loggers: tuple[str, ...] = ("tensorboard",), config: dict | None = None):
+    """`loggers`: train.loggers; `config`: the run's, which W&B shows beside its charts."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = pathlib.Path(run_path)
+    self.loggers, self.config = tuple(loggers), config or {}
     self._tb = None
+    self._wandb = None
     if self.enabled:
       self.path.mkdir(parents=True, exist_ok=True)
 
@@ -49,19 +56,26 @@ class MetricsWriter:
         shutil.copytree(carry_over / "tb", self.path / "tb")
     for name in ROW_FILES:
       truncate_rows(self.path / name, step)
-    from tensorboardX import SummaryWriter
+    if "wandb" in self.loggers:
+      self._wandb = wandb_log.open_run(self.path, self.config)
+    if "tensorboard" in self.loggers or self._wandb is None:  # W&B's fallback
+      from tensorboardX import SummaryWriter
 
-    self._tb = SummaryWriter(str(self.path / "tb"), purge_step=step + 1 if step else None)
+      self._tb = SummaryWriter(str(self.path / "tb"), purge_step=step + 1 if step else None)
 
   def log(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
       return
     row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
     _append(self.path / "metrics.jsonl", json.dumps(row) + "\n")
+    scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+    if self._wandb is not None:
+      self._wandb.log(step, scalars)
+    if self._tb is None:
+      return
     try:
-      for k, v in row.items():
-        if k != "step" and isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, step)
+      for k, v in scalars.items():
+        self._tb.add_scalar(k, v, step)
       self._tb.flush()
     except OSError as e:  # a full disk: the row is kept, the event file left as it is
       _abandon(self._tb)
@@ -143,6 +157,9 @@ class MetricsWriter:
     return out
 
   def close(self) -> None:
+    if self._wandb is not None:
+      self._wandb.close()
+      self._wandb = None
     if self._tb is not None:
       self._tb.close()
       self._tb = None
