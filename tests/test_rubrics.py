@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, dense_grade_probs, tiny_config
+from reasoner import mesh as mesh_lib
 from reasoner.build import build
 from reasoner.config import ConfigError
 from reasoner.data import sources
@@ -96,7 +97,7 @@ def test_rubric_scores_equal_a_dense_forward_of_each_criterion(setup):
 
 def test_a_rubric_mixing_checks_and_judged_criteria_equals_its_dense_computation(setup):
   """Checks ({check: kind, args, weight}) are 1 or 0 from the instruction's check on the answer
-  and cost no judge row; the judged criteria keep their dense yes-probabilities; the score
+  and cost the judge nothing; the judged criteria keep their dense yes-probabilities; the score
   weighs them all. A rubric's judged criteria, not its checks, count against max_criteria."""
   from reasoner.rewards import judge as judge_lib
 
@@ -241,12 +242,147 @@ def test_evaluations_report_each_category():
   assert eval_by_category([0.2, 0.6], ["math", "math"]) == {}  # one category: the mean says it
 
 
-def test_the_planner_counts_a_row_a_criterion():
+def test_the_planner_counts_a_pass_a_completion_with_its_criteria():
+  """Where records carry rubrics, a judge batch is one pass of judge.batch_size completions,
+  each read once with its judge.max_criteria suffixes: a step costs B x G / batch_size
+  batches whatever the criteria, and `plan` compiles that pass (prefixes of judge.max_tokens
+  less the planned suffix, 5 suffixes of `SUFFIX_PLANNED` tokens each), and `plan --analytic`
+  estimates it."""
+  from reasoner.chips import CHIPS
+  from reasoner.planner import report as report_lib
+  from reasoner.rewards.judge import SUFFIX_PLANNED
+
   cfg = tiny_config(*JUDGED, "train.batch_size=2", "rollout.num_generations=4")
-  assert plan.judge_batches({"cfg": cfg}) == 5  # 2 x 4 completions x 5 criteria / 8 a batch
+  assert plan.judge_batches({"cfg": cfg}) == 1  # 2 x 4 completions, 8 a pass, 5 criteria each
+  cfg = tiny_config(*JUDGED, "train.batch_size=2", "rollout.num_generations=4",
+                    "judge.batch_size=3")
+  assert plan.judge_batches({"cfg": cfg}) == 3  # 8 completions, 3 a pass
   cfg = tiny_config(*JUDGED, "judge.max_criteria=0", "train.batch_size=2",
-                    "rollout.num_generations=4")  # no rubrics: a row a completion
+                    "rollout.num_generations=4")  # no rubrics: a prompt a completion
   assert plan.judge_batches({"cfg": cfg}) == 1
+  setup = build(tiny_config(*JUDGED, "judge.max_tokens=256"), abstract=True)
+  judge = Judge.abstract(setup)
+  fn, args = judge.planned()
+  assert fn is judge._criteria and SUFFIX_PLANNED == 64
+  assert [a.shape for a in args[1:5]] == [(8, 192), (8, 192), (8, 5, 64), (8, 5)]
+  step, _ = plan.judge_plan(setup, CHIPS["v5e"])
+  assert step.what == "judge" and step.prompts == 8 and step.fits and step.flops > 0
+  report = plan.plan(tiny_config(*JUDGED, "judge.max_tokens=256"), analytic=True, search=False)
+  guess = report["judge"]  # --analytic estimates the same pass: 8 x (192 + 5 x 64) tokens
+  assert "analytic" in guess.note and report["judge_on"] == "8 chips, the policy's"
+  assert guess.bytes == pytest.approx(6 * guess.arguments)  # weights: the prefix, 5 criteria
+  assert "judge + train" in report_lib.format_report(report)
+
+
+def test_the_shared_prefix_is_the_prompt_before_its_first_criterion():
+  from reasoner.config.stages import DEFAULT_CRITERION
+  from reasoner.rewards.judge import prefix_template
+
+  assert prefix_template(CRITERION) == ("Q: {question}\nRef: {reference}\nA: {response}\n"
+                                        "Met (N or Y)? ")
+  assert prefix_template(DEFAULT_CRITERION).endswith("Response: {response}\n\nCriterion: ")
+  assert prefix_template("{{x}} {response!r:>4} {criterion} {question}") == "{{x}} {response!r:>4} "
+  assert prefix_template("Criterion: {criterion}\nResponse: {response}") is None  # none shared
+
+
+def _dense_yes(judge, rows):
+  """The yes-probability of every (prefix + suffix) row, each its own prompt (`token_probs`,
+  the per-row forward): the same token ids, so no tokenisation boundary can differ."""
+  return judge.token_probs([p + x for p, xs in rows for x in xs], judge.yes_no)[:, 1]
+
+
+def test_one_pass_a_completion_equals_a_dense_row_a_criterion(setup):
+  """`Judge.criteria`: each completion's prefix once, its criteria's suffixes against its KV
+  cache, on the 8 devices: each criterion's yes-probability equals the per-row forward of the
+  same tokens. 11 completions of 1 to 5 criteria (two passes of 8, the second with filler),
+  prefixes of 40 to 200 tokens (past the tiny model's 16-token window: its sliding layers see
+  the cache's last 15 prefix slots), then prefixes of 5 to 8 tokens (shorter than the window:
+  all of the cache)."""
+  from reasoner.rewards.judge import pack
+
+  judge = setup.rewards.fns[0]
+  # short criteria after responses whose ends differ: the tiny model sees 2 x 15 tokens back,
+  # so each criterion's grade reads the end of its completion's prefix
+  crit = ["Sea.", "Rhymes.", "Four.", "No.", "x"]
+  rows = [judge.criterion_rows(f"Answer {i}: " + "tide, " * (3 * i) + f"end {i}{i}{i}.",
+                               f"Question {i}?", "ref" if i % 2 else None,
+                               [(c, 1.0) for c in crit[:1 + i % 5]])
+          for i in range(11)]
+  assert 64 < max(len(p) for p, _ in rows) <= 256 and min(len(p) for p, _ in rows) > 16
+  got = judge.criteria(rows)
+  assert [len(g) for g in got] == [1 + i % 5 for i in range(11)]
+  want = _dense_yes(judge, rows)
+  np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-6)
+  assert len(set(np.round(want, 6))) > 20
+  encode = setup.tokenizer.encode
+  long = ["The poem is about the sea.", "It rhymes.", "Four lines, no more.", "x"]
+  short = [(encode("Q" * i, add_bos=True), [encode(c) for c in long[:1 + i % 4]])
+           for i in range(4, 8)]  # 20 tokens or more past a prefix: the window binds
+  prefix, valid, suffix, lengths = pack(short, 8, 5, setup.tokenizer.pad_id)
+  assert suffix.shape == (8, 5, 32)
+  batch = [mesh_lib.put_batch(judge.mesh, a)  # a width of 8, not the bucket's 64
+           for a in (prefix[:, -8:], valid[:, -8:], suffix, lengths)]
+  p = mesh_lib.to_host(judge._criteria(judge.params, *batch, judge.yes_no))[..., 1]
+  np.testing.assert_allclose([x for i, (_, xs) in enumerate(short) for x in p[i, :len(xs)]],
+                             _dense_yes(judge, short), rtol=1e-5, atol=1e-6)
+
+
+def test_a_band_counted_from_positions_reads_the_prefix_behind_each_criterion(setup,
+                                                                               monkeypatch):
+  """Sliding layers that are not Gemma 3's (Gemma 2's band counts from positions, so a cut
+  cache would not do; here Tunix's own layers, `layer.replaces` false): a prefix as long as the
+  window goes through the model again behind each suffix (`_behind_prefix`), to the same
+  probabilities as the per-row forward."""
+  import jax
+  from flax import nnx
+
+  from reasoner.models import layer as layer_lib, prompt
+  from reasoner.rewards.judge import criteria_probs, pack
+
+  judge = setup.rewards.fns[0]
+  rows = [judge.criterion_rows(f"Answer {i}: end {i}{i}.", "Q?", None,
+                               [("Sea.", 1.0), ("x", 1.0)]) for i in range(3)]
+  want = _dense_yes(judge, rows)
+  behind, real = [], prompt._behind_prefix
+  monkeypatch.setattr(layer_lib, "replaces", lambda layer, tokens: False)
+  monkeypatch.setattr(prompt, "_behind_prefix", lambda *a: behind.append(1) or real(*a))
+  fn = jax.jit(lambda params, *batch: criteria_probs(nnx.merge(judge.graphdef, *params), *batch,
+                                                     mesh=judge.mesh))
+  batch = [mesh_lib.put_batch(judge.mesh, a) for a in pack(rows, 8, 5, setup.tokenizer.pad_id)]
+  p = mesh_lib.to_host(fn(judge.params, *batch, judge.yes_no))[..., 1]
+  assert behind
+  np.testing.assert_allclose(p[:3, :2].ravel(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rubric_rewards_are_rubric_scores_of_the_dense_rows(setup):
+  """`Judge.__call__` on records with rubrics (judged criteria, checks, pitfalls, a rubric of
+  checks only that costs the judge nothing) and without: each reward is `rubric_score` of its
+  criteria, the judged ones' yes-probabilities from the per-row forward of the same tokens."""
+  from reasoner.rewards import instructions
+
+  judge = setup.rewards.fns[0]
+  rubrics = [sources.rubric(r, "r", "k") for r in (
+      [{"check": "punctuation:no_comma", "weight": 2},
+       {"criterion": "About the sea.", "weight": 3}, {"criterion": "Rhymes badly.", "weight": -1}],
+      ["One sentence.", {"criterion": "Names the city.", "weight": 2},
+       {"criterion": "Too long.", "weight": -1}, "Clear.", "Kind."],
+      [{"check": "punctuation:no_comma"}],
+      ["Is a haiku."])] + [None]
+  texts = ["<answer>The tide, slow</answer>", "The city of Lyon is old.", "No comma here",
+           "Rain taps the roof", "Research the company."]
+  q = ["A line on the sea.", "Summarise: Lyon.", "Say it plainly.", "A haiku on rain.", "Tips?"]
+  ref = [None, "Lyon is old.", None, None, None]
+  got = judge(q, texts, question=q, answer=ref, rubric=rubrics)
+  for i in range(4):
+    rows = [judge.criterion_rows(texts[i], q[i], ref[i], rubrics[i])] if i != 2 else []
+    yes = iter(_dense_yes(judge, rows))
+    answer = instructions.answer_text(texts[i])
+    p = [float(instructions.follows(c["kind"], c["args"], answer)) if isinstance(c, dict)
+         else next(yes) for c, _ in rubrics[i]]
+    w = np.asarray([w for _, w in rubrics[i]], np.float32)
+    np.testing.assert_allclose(got[i], rubric_score(np.asarray(p, np.float32), w), rtol=1e-5,
+                               atol=1e-6)
+  assert got[2] == 1.0 and 0 < got[4] < 1  # checks only; `judge.rubric` for the last
 
 
 def test_bad_rubrics_fail_in_one_line(tmp_path):

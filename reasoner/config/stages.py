@@ -279,12 +279,13 @@ class JudgeConfig:
   grades: tuple[str, ...] = ("1", "2", "3", "4", "5")  # worst to best, one token each
   batch_size: int = 16
   max_tokens: int = 1024  # of a rubric prompt, its end kept
-  # per-record rubrics (data.rubric_field): each criterion a prompt of its own ({criterion} as
-  # well), read as the probability of the second of `criterion_grades` (no, yes; one token each)
+  # per-record rubrics (data.rubric_field): each criterion a prompt ({criterion} as well), read
+  # as the probability of the second of `criterion_grades` (no, yes; one token each). The text
+  # before {criterion} is read once a completion, each criterion's rest against it
   criterion_prompt: str = DEFAULT_CRITERION
   criterion_grades: tuple[str, ...] = ("No", "Yes")
-  # the most criteria a record's rubric may have: a completion costs the judge at most this many
-  # rows (`reasoner plan` counts them); 0: the records carry no rubrics
+  # the most judged criteria a record's rubric may have: the suffixes of a completion's pass
+  # (`reasoner plan` plans that many); 0: the records carry no rubrics
   max_criteria: int = 0
   # the evaluation's win rate against the model before training: two responses in a prompt,
   # read as the probabilities of `pairwise_grades` (first better, second better), both orders

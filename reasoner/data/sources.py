@@ -178,7 +178,7 @@ def rubric(value, where: str, key: str) -> tuple[tuple[str | dict, float], ...] 
   mappings with a `criterion` (or Rubrics as Rewards' `description` / `title`) and a `weight`,
   negative for a pitfall. A criterion code can decide is a check instead, {check: kind, args:
   {...}, weight} with an instruction's kind (rewards/instructions.py; validated where the judge
-  is), kept as {"kind", "args"}: it costs no judge row. One positive weight at least, else
+  is), kept as {"kind", "args"}: it costs the judge nothing. One positive weight at least, else
   nothing could be earned."""
   if value is None:
     return None

@@ -1,8 +1,10 @@
 """Each prompt through the model once, its keys and values shared by its G completions: the
 idea both the sampler (`prefill`, then decoding) and the train step (`completion_hidden`, the
-hidden states that predict each completion token) are built on, and the layout of prompts over
-the chips (`prompt_copies`, `prompt_layout`) that lets every chip find its rows' prompt on
-itself. The cache these fill is `models.cache`; Gemma 3's shared decode cache `models.decode`."""
+hidden states that predict each completion token) are built on, the judge's criteria
+(`suffix_hidden`: a completion read once, its criteria's few tokens against its cache), and the
+layout of prompts over the chips (`prompt_copies`, `prompt_layout`) that lets every chip find its
+rows' prompt on itself. The cache these fill is `models.cache`; Gemma 3's shared decode cache
+`models.decode`."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from reasoner import mesh as mesh_lib
-from reasoner.models import decode
+from reasoner.models import decode, gemma
+from reasoner.models import layer as layer_lib
 from reasoner.models.cache import causal_mask, init_cache, positions_from_mask, shard_cache
 
 
@@ -100,3 +104,72 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
                                     local_mask=local)
     hidden = jnp.concatenate([hidden, h_comp], axis=1)
   return hidden
+
+
+def suffix_hidden(model, prefix, prefix_valid, suffix, lengths, mesh=None) -> jax.Array:
+  """Final hidden states after each of a prefix's K suffixes, [B, K, D] float32: row b, suffix
+  k, the state after the left-padded prefix [B, P] and the first `lengths[b, k]` tokens of the
+  right-padded suffix [B, K, S], which predicts the next token (length 0: no suffix).
+
+  Each prefix goes through the model once; its K suffixes then run one after another (a scan;
+  a suffix no row has is skipped) against its KV cache, which is never repeated to B * K rows:
+  a 12B judge's cache of 16 rows of 1K tokens is 6 GiB, repeated to 8 criteria 48 GiB. A
+  sliding-window layer is given only the cache's last window - 1 prefix slots: Tunix's prefill
+  band counts the window from the query's index in the call (`completion_hidden`), and so holds
+  every key the window needs however long the prefix. Gemma 2's band counts from positions
+  instead: with a prefix as long as its window, each suffix takes a full forward behind its
+  prefix (`_behind_prefix`)."""
+  b, p = prefix.shape
+  s = suffix.shape[2]
+  window = getattr(model.config, "sliding_window_size", None)
+  start = 0 if window is None else max(0, p - window + 1)  # the sliding layers' first slot
+  xs = (jnp.swapaxes(suffix, 0, 1), lengths.T)  # scanned over the K suffixes
+  graphdef, state = nnx.split(model)
+  # the model again inside the scan, its variables new at the scan's trace level: qwix's LoRA
+  # and nnx's remat set attributes on them as they run
+  inner = lambda: nnx.merge(graphdef, state, copy=True)
+  if start and not layer_lib.replaces(model.layers[0], s):
+    one = lambda tokens, n: _behind_prefix(inner(), prefix, prefix_valid, tokens, n, mesh)
+  else:
+    size = p + s
+    h, cache = model.hidden_states(prefix, positions_from_mask(prefix_valid),
+                                   init_cache(model.config, b, size, model.embedding().dtype),
+                                   causal_mask(prefix_valid, size), mesh)
+    cache = _windowed(model, cache, start)
+    ahead = (p + jnp.arange(s))[:, None] - jnp.arange(size)[None, :]  # query slot - key slot
+    local = None if window is None else ahead < window
+    positions = jnp.sum(prefix_valid, axis=1)[:, None] + jnp.arange(s)[None]  # after the prefix
+
+    def one(tokens, n):
+      valid = jnp.arange(s)[None] < n[:, None]
+      mask = (ahead >= 0)[None] & jnp.concatenate([prefix_valid, valid], axis=1)[:, None, :]
+      h_suffix, _ = inner().hidden_states(
+          tokens, positions, cache, mask, mesh,
+          local_mask=None if local is None else (mask & local[None])[:, :, start:])
+      return jnp.concatenate([h[:, -1:], h_suffix], axis=1)  # index j: after j suffix tokens
+
+  def step(_, x):  # a suffix no row has (past every completion's criteria) is not run
+    tokens, n = x
+    pick = lambda: jnp.take_along_axis(one(tokens, n), n[:, None, None], axis=1)[:, 0]
+    return None, jax.lax.cond(jnp.any(n > 0), lambda: pick().astype(jnp.float32),
+                              lambda: jnp.zeros((b, model.config.embed_dim), jnp.float32))
+
+  return jnp.swapaxes(jax.lax.scan(step, None, xs)[1], 0, 1)
+
+
+def _windowed(model, cache: dict, start: int) -> dict:
+  """The prefix's cache with each sliding-window layer's from slot `start` on (its end index
+  moved with it): the keys a suffix's window reaches, at slots Tunix's band lets it see."""
+  cut = lambda c: {"k": c["k"][:, start:], "v": c["v"][:, start:],
+                   "end_index": c["end_index"] - start}
+  return {name: cut(c) if start and gemma._sliding(model.layers[int(name.split("_")[1])]) else c
+          for name, c in cache.items()}
+
+
+def _behind_prefix(model, prefix, prefix_valid, tokens, n, mesh=None) -> jax.Array:
+  """[B, S + 1, D]: one suffix behind its prefix in a full forward; index j: after j suffix
+  tokens."""
+  valid = jnp.concatenate([prefix_valid, jnp.arange(tokens.shape[1])[None] < n[:, None]], 1)
+  h, _ = model.hidden_states(jnp.concatenate([prefix, tokens], axis=1),
+                             positions_from_mask(valid), None, causal_mask(valid), mesh)
+  return h[:, prefix.shape[1] - 1:]

@@ -48,7 +48,7 @@ from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner import libtpu
 from reasoner.planner.hlo import Cost, analyse
-from reasoner.rewards.judge import Judge
+from reasoner.rewards.judge import Judge, estimate, prefix_template
 
 @dataclasses.dataclass
 class StepPlan:
@@ -161,13 +161,14 @@ def reference_plan(setup, prompts: int, chip: Chip) -> StepPlan:
 
 
 def judge_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
-  """One batch of the judge reward (`judge.batch_size` prompts of `judge.max_tokens` tokens) on
-  its devices (the policy's, or its own `judge.devices`), and which they are."""
+  """One batch of the judge reward (`judge.batch_size` prompts of `judge.max_tokens` tokens, or
+  where records carry rubrics one pass of as many completions with their criteria,
+  `Judge.planned`) on its devices (the policy's, or its own `judge.devices`), and which."""
   judge = Judge.abstract(setup)
   n = judge.cfg.batch_size
   where = f"{judge.mesh.devices.size} chips" + (
       ", the policy's" if judge.mesh is setup.mesh else " of its own")
-  return compile_plan(judge._probs, judge.abstract_inputs(), {}, "judge", n, n, chip), where
+  return compile_plan(*judge.planned(), {}, "judge", n, n, chip), where
 
 
 def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
@@ -187,10 +188,11 @@ def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
 
 def judge_batches(report: dict[str, Any]) -> int:
   """Judge batches a GRPO step scores, at most: every completion of the rollout, a row each, or
-  one a criterion where records carry rubrics (`judge.max_criteria`)."""
+  where records carry rubrics a pass each, its criteria in it (`judge_plan`); a row a criterion
+  where the criterion prompt shares no prefix."""
   cfg = report["cfg"]
-  rows = cfg.train.batch_size * cfg.rollout.num_generations * max(1, cfg.judge.max_criteria)
-  return -(-rows // cfg.judge.batch_size)
+  k = max(1, cfg.judge.max_criteria) if prefix_template(cfg.judge.criterion_prompt) is None else 1
+  return -(-cfg.train.batch_size * cfg.rollout.num_generations * k // cfg.judge.batch_size)
 
 
 def sides(report: dict[str, Any], rollout: str = "rollout") -> dict[str, float]:
@@ -407,6 +409,11 @@ def plan(cfg: Config, topology: str = "v5e:2x4", search: bool = True, analytic: 
 
   b, micro = cfg.train.batch_size, cfg.train.micro_batch
   report["train"], report["rollout"] = logged("train", b, micro), logged("rollout", b)
+  if setup is None and judged(cfg):  # nothing compiled: one judge batch estimated
+    n, j, model = cfg.judge.devices or fsdp * tp, cfg.judge.batch_size, cfg.judge.model
+    report["judge"] = StepPlan("judge", j, j, **estimate(cfg.judge, model or cfg.model, n))
+    report["judge"].fits = report["judge"].total <= chip.hbm
+    report["judge_on"] = f"{n} chips" + (" of its own" if cfg.judge.devices else ", the policy's")
   if setup is not None:
     _beside(report, setup, chip, log, compare)
     report["weights"] = (setup.weights, setup.weights_why)

@@ -8,17 +8,23 @@ renormalised among themselves) give the expected grade, scaled to 0-1. Only the 
 rows of the embedding are multiplied: no [B, V] logits.
 
 A record with a rubric of its own (`data.rubric_field`; Rubrics as Rewards, Gunjal et al.
-2025) is graded criterion by criterion instead: each (completion, criterion) is a prompt
-(`judge.criterion_prompt`), all of a batch's in the same batched forwards, read as p_j, the
-probability of "yes" against "no" (`judge.criterion_grades`). The reward is
+2025) is graded criterion by criterion instead, each read as p_j, the probability of "yes"
+against "no" (`judge.criterion_grades`) after its prompt (`judge.criterion_prompt`). The judge
+reads each completion once: the prompt up to `{criterion}` (question, reference, response) is a
+prefix that goes through the model once, and each criterion's rest of the prompt (the criterion
+and the prompt's closing words, "Answer Yes or No: ") is a suffix of a few tokens run against
+the prefix's KV cache (`models.prompt.suffix_hidden`): `judge.batch_size` completions with
+`judge.max_criteria` suffixes each a pass, of bucketed shapes (`pack`), one program reused. A
+prompt with `{criterion}` before `{response}` shares no such prefix: there each (completion,
+criterion) is a prompt of its own, all in the same batched forwards. The reward is
 
     (sum_j w_j p_j - sum_{w_j<0} w_j) / (sum_{w_j>0} w_j - sum_{w_j<0} w_j)   in [0, 1]
 
 (`rubric_score`): the weighted share of the criteria met, a pitfall (w_j < 0, "yes" = the
 response falls into it) taking its weight off. A criterion that code can decide ({check: kind,
 args, weight}: an instruction of `instructions`, e.g. "exactly four lines") is p_j = 1 or 0 from
-its check on the completion's answer, and costs no judge row: `judge.max_criteria` bounds the
-judged criteria, the rows a completion costs.
+its check on the completion's answer, and costs the judge nothing: `judge.max_criteria` bounds
+the judged criteria, the suffixes a completion's pass holds.
 
 `pairwise` compares two responses to a question in both orders (the evaluation's win rate of
 the trained model against the model before training).
@@ -33,6 +39,7 @@ others (`build.split_devices`): a Gemma 3 12B judge on half of a v5e-8 beside th
 from __future__ import annotations
 
 import math
+import string
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +47,15 @@ import numpy as np
 from flax import nnx
 
 from reasoner import mesh as mesh_lib
-from reasoner.config import JudgeConfig, MeshConfig
+from reasoner.config import JudgeConfig, MeshConfig, ModelConfig
 from reasoner.errors import ConfigError
 from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
 from reasoner.models.cache import causal_mask, positions_from_mask
+from reasoner.models.prompt import suffix_hidden
 from reasoner.rewards import instructions
+
+SUFFIX_PLANNED = 64  # tokens `plan` gives a criterion's suffix: the default prompt's tail + ~50
 
 
 def grade_ids(cfg: JudgeConfig, tokenizer, key: str = "grades") -> list[int]:
@@ -66,11 +76,56 @@ def grade_probs(model, tokens: jax.Array, valid: jax.Array, ids: jax.Array, mesh
   """[B, K] probabilities of the K grade tokens (among themselves) after each left-padded
   prompt."""
   h, _ = model.hidden_states(tokens, positions_from_mask(valid), None, causal_mask(valid), mesh)
+  return grade_head(model, h[:, -1], ids)
+
+
+def grade_head(model, h: jax.Array, ids: jax.Array) -> jax.Array:
+  """[..., D] final hidden states -> [..., K] probabilities of the K grade tokens among
+  themselves: only their rows of the embedding are multiplied, the logit softcap applied."""
   rows = jnp.take(model.embedding(), ids, axis=0)  # [K, D]
-  z = jnp.einsum("bd,kd->bk", h[:, -1], rows, preferred_element_type=jnp.float32)
+  z = jnp.einsum("...d,kd->...k", h, rows, preferred_element_type=jnp.float32)
   if model.logit_softcap is not None:
     z = jnp.tanh(z / model.logit_softcap) * model.logit_softcap
   return jax.nn.softmax(z, axis=-1)
+
+
+def criteria_probs(model, prefix, prefix_valid, suffix, lengths, ids, mesh=None) -> jax.Array:
+  """[B, K, 2] the (no, yes) probabilities after each of B prefixes' K criterion suffixes, each
+  prefix read once (`models.prompt.suffix_hidden`)."""
+  return grade_head(model, suffix_hidden(model, prefix, prefix_valid, suffix, lengths, mesh), ids)
+
+
+def prefix_template(template: str) -> str | None:
+  """The criterion prompt's text before its first {criterion}, a template still; None where
+  {response} does not come before it (no prefix shared by a completion's criteria)."""
+  out, seen = [], set()
+  for text, field, spec, conv in string.Formatter().parse(template):
+    out.append(text.replace("{", "{{").replace("}", "}}"))  # parse unescaped them
+    if field == "criterion":
+      return "".join(out) if "response" in seen else None
+    if field is not None:
+      seen.add(field)
+      out.append("{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}")
+  return None
+
+
+def pack(rows: list, n: int, k: int, pad: int) -> tuple[np.ndarray, ...]:
+  """`rows` of (prefix ids, [suffix ids]) as one pass's arrays for `n` completions of `k`
+  suffixes: prefixes [n, P] left-padded to a multiple of 64 tokens, suffixes [n, k, S] right-
+  padded to a power of two of 16 or more, and their lengths [n, k] (0: no criterion), so that
+  a jitted pass is reused across calls. Filler completions (past `rows`) are one pad token."""
+  width = 64 * math.ceil(max(len(p) for p, _ in rows) / 64)
+  s = max(16, 1 << (max(len(x) for _, xs in rows for x in xs) - 1).bit_length())
+  prefix = np.full((n, width), pad, np.int32)
+  valid = np.zeros((n, width), bool)
+  suffix = np.full((n, k, s), pad, np.int32)
+  lengths = np.zeros((n, k), np.int32)
+  for i, (p, xs) in enumerate(rows):
+    prefix[i, width - len(p):], valid[i, width - len(p):] = p, True
+    for j, x in enumerate(xs):
+      suffix[i, j, :len(x)], lengths[i, j] = x, len(x)
+  valid[len(rows):, -1] = True
+  return prefix, valid, suffix, lengths
 
 
 def rubric_score(p_yes: np.ndarray, weights: np.ndarray) -> float:
@@ -86,16 +141,36 @@ def judged(rubric) -> list:
 
 def check_records(cfg: JudgeConfig, records, where: str) -> None:
   """One line, before any model loads, for a rubric with more judged criteria than
-  `judge.max_criteria` allows (a completion's judge rows are bounded and planned), or a check
-  that cannot be checked."""
+  `judge.max_criteria` allows (the suffixes of a completion's pass are bounded and planned), or a
+  check that cannot be checked."""
   for i, r in enumerate(records):
     n = len(judged(r.get("rubric")))
     if n > cfg.max_criteria:
       raise ConfigError(f"config key 'judge.max_criteria' = {cfg.max_criteria}: {where}, record "
                         f"{i} has a rubric of {n} judged criteria; set it to the most a record "
-                        "has (each is a judge row for every completion)")
+                        "has (each is a suffix in every completion's judge pass)")
     checks = [c for c, _ in r.get("rubric") or () if isinstance(c, dict)]
     instructions.validate(checks, f"{where}, record {i}, its rubric's checks")
+
+
+def estimate(cfg: JudgeConfig, model: ModelConfig, chips: int) -> dict:
+  """One judge batch a chip from its model's shapes, where nothing is compiled (`plan
+  --analytic`), as `Judge.planned` lays it out: its weights over its chips, the KV cache of a
+  pass and one layer's activations, FLOPs 2 x weights x tokens, and its weights read once a
+  forward (the prefix's, then each criterion's)."""
+  t = load.spec_without_checkpoint(model)[1].tunix_config
+  d, f, kh = t.embed_dim, t.hidden_dim, t.num_kv_heads * t.head_dim
+  weights = t.num_layers * (d * (2 * t.num_heads * t.head_dim + 2 * kh) + 3 * d * f)
+  weights += t.num_embed * d
+  k = cfg.max_criteria if prefix_template(cfg.criterion_prompt) is not None else 0
+  s = SUFFIX_PLANNED if k else 0
+  b, p = cfg.batch_size, 64 * math.ceil(max(cfg.max_tokens - s, 1) / 64)
+  cache = t.num_layers * b * (p + s) * 2 * kh if k else 0
+  item = jnp.dtype(model.dtype).itemsize
+  return {"arguments": int(weights * item / chips),
+          "temporaries": int((cache + b * p * (2 * d + f)) * item / chips),
+          "flops": 2 * weights * b * (p + k * s) / chips, "bytes": weights * item * (1 + k) / chips,
+          "note": "analytic estimate (nothing compiled)"}
 
 
 JUNK = "the the the the the the the the"
@@ -160,6 +235,9 @@ class Judge:
       self.yes_no = jnp.asarray(grade_ids(cfg, tokenizer, "criterion_grades"), jnp.int32)
     self._probs = jax.jit(lambda params, tokens, valid, ids: grade_probs(
         nnx.merge(graphdef, *params), tokens, valid, ids, mesh))
+    self._criteria = jax.jit(lambda params, *batch: criteria_probs(
+        nnx.merge(graphdef, *params), *batch, mesh=mesh))
+    self.prefix = prefix_template(cfg.criterion_prompt)  # None: a prompt a criterion
 
   @classmethod
   def own(cls, cfg: JudgeConfig, devices: list, seed: int) -> "Judge":
@@ -194,6 +272,23 @@ class Judge:
         self.mesh, (self.cfg.batch_size, self.cfg.max_tokens), dtype)
     return self.params, s(jnp.int32), s(jnp.bool_), self.ids
 
+  def criteria_inputs(self) -> tuple:
+    """(params, prefixes, their valid mask, suffixes, their lengths, (no, yes) ids) of one full
+    pass of `criteria_probs`: `judge.batch_size` completions, each with `judge.max_criteria`
+    suffixes of `SUFFIX_PLANNED` tokens behind a prefix of the rest of `judge.max_tokens`."""
+    b, k, s = self.cfg.batch_size, self.cfg.max_criteria, SUFFIX_PLANNED
+    p = 64 * math.ceil(max(self.cfg.max_tokens - s, 1) / 64)
+    put = lambda shape, dtype: mesh_lib.batch_struct(self.mesh, shape, dtype)
+    return (self.params, put((b, p), jnp.int32), put((b, p), jnp.bool_),
+            put((b, k, s), jnp.int32), put((b, k), jnp.int32), self.yes_no)
+
+  def planned(self) -> tuple:
+    """(the jitted program, its abstract inputs) a batch of a step runs: one pass of completions
+    with their criteria where records carry rubrics, else a batch of rubric prompts."""
+    if self.cfg.max_criteria and self.prefix is not None:
+      return self._criteria, self.criteria_inputs()
+    return self._probs, self.abstract_inputs()
+
   def texts(self, completions, question, answer) -> list[str]:
     return [self.cfg.rubric.format(question=q, response=c,
                                    reference=a if a is not None else "(none given)")
@@ -205,15 +300,45 @@ class Judge:
     return [self.cfg.criterion_prompt.format(question=question, response=completion,
                                              reference=ref, criterion=c) for c in judged(rubric)]
 
+  def criterion_rows(self, completion: str, question: str, answer, rubric) -> tuple:
+    """A completion's judged criteria as (prefix ids, [suffix ids]): the criterion prompt up to
+    its first {criterion}, with BOS, and each criterion's rest of it. The prefix keeps its last
+    tokens within `judge.max_tokens` beside the longest suffix (a prompt's end is kept)."""
+    fill = dict(question=question, response=completion,
+                reference=answer if answer is not None else "(none given)")
+    # a space before the criterion goes with it, as SentencePiece joins it to the next word
+    head = self.prefix.format(**fill).rstrip(" ")
+    suffixes = [self.tokenizer.encode(self.cfg.criterion_prompt.format(**fill, criterion=c)[
+        len(head):]) for c in judged(rubric)]
+    keep = max(1, self.cfg.max_tokens - max(map(len, suffixes)))
+    return self.tokenizer.encode(head, add_bos=True)[-keep:], suffixes
+
+  def criteria(self, rows: list) -> list[np.ndarray]:
+    """Each completion's judged criteria's yes-probabilities from its `criterion_rows`,
+    `judge.batch_size` completions a pass (filler completions keep its shape), each read once."""
+    n, pad = self.cfg.batch_size, self.tokenizer.pad_id
+    k = max([self.cfg.max_criteria, *(len(xs) for _, xs in rows)])
+    out = []
+    for start in range(0, len(rows), n):
+      part = rows[start:start + n]
+      batch = [mesh_lib.put_batch(self.mesh, a) for a in pack(part, n, k, pad)]
+      p = mesh_lib.to_host(self._criteria(self.params, *batch, self.yes_no))
+      out += [p[i, :len(xs), 1] for i, (_, xs) in enumerate(part)]
+    return out
+
   def probs(self, texts: list[str], grades: jax.Array | None = None) -> np.ndarray:
     """[n, K] probabilities of the K tokens `grades` (default: `judge.grades`) among
-    themselves, `judge.batch_size` prompts a forward pass; each prompt's last `judge.max_tokens`
-    tokens (the rubric's end, where the grade is due, is kept)."""
+    themselves after each prompt (`token_probs`)."""
+    return self.token_probs([self.tokenizer.encode(t, add_bos=True) for t in texts], grades)
+
+  def token_probs(self, prompts: list[list[int]], grades: jax.Array | None = None
+                  ) -> np.ndarray:
+    """`probs` of prompts as token ids, `judge.batch_size` a forward pass; each prompt's last
+    `judge.max_tokens` tokens (the rubric's end, where the grade is due, is kept)."""
     grades = self.ids if grades is None else grades
     out = []
-    for k in range(0, len(texts), self.cfg.batch_size):
-      ids = [self.tokenizer.encode(t, add_bos=True)[-self.cfg.max_tokens:]
-             for t in texts[k:k + self.cfg.batch_size]]
+    for k in range(0, len(prompts), self.cfg.batch_size):
+      ids = [x[-self.cfg.max_tokens:] for x in prompts[k:k + self.cfg.batch_size]]
       rows = self.cfg.batch_size
       width = 64 * math.ceil(max(map(len, ids)) / 64)
       tokens = np.full((rows, width), self.tokenizer.pad_id, np.int32)
@@ -226,11 +351,20 @@ class Judge:
           :len(ids)])
     return np.concatenate(out) if out else np.zeros((0, len(grades)), np.float32)
 
+  def yes(self, completions, question, answer, rubric) -> np.ndarray:
+    """The yes-probabilities of every judged criterion of every completion, in order: a pass
+    a `judge.batch_size` completions, or, with no prefix shared, a prompt a criterion."""
+    args = list(zip(completions, question, answer, rubric))
+    if self.prefix is None:
+      texts = [t for a in args for t in self.criterion_texts(*a)]
+      return self.probs(texts, self.yes_no)[:, 1] if texts else np.zeros(0, np.float32)
+    rows = [self.criterion_rows(*a) for a in args if judged(a[3])]
+    return np.concatenate(self.criteria(rows)) if rows else np.zeros(0, np.float32)
+
   def __call__(self, prompts, completions, question=None, answer=None, rubric=None, **_
                ) -> list[float]:
     """Each completion's reward: its expected grade under `judge.rubric`, or, where its record
-    has a rubric, `rubric_score` of its criteria (every criterion of every such completion in
-    the same batched forwards)."""
+    has a rubric, `rubric_score` of its criteria (`yes`: each completion read once)."""
     n = len(completions)
     question, answer = question or prompts, answer or [None] * n
     rubric = rubric or [None] * n
@@ -246,9 +380,8 @@ class Judge:
       if self.yes_no is None:
         raise ConfigError("config key 'judge.max_criteria' = 0: a record has a rubric; set it "
                           "to the most criteria a record has")
-      texts = [t for i in graded
-               for t in self.criterion_texts(completions[i], question[i], answer[i], rubric[i])]
-      yes = iter(self.probs(texts, self.yes_no)[:, 1] if texts else ())
+      pick = lambda xs: [xs[i] for i in graded]
+      yes = iter(self.yes(*map(pick, (completions, question, answer, rubric))))
       for i in graded:  # a check's p is its result on the answer, a judged one the judge's
         text = instructions.answer_text(completions[i])
         p = [float(instructions.follows(c["kind"], c["args"], text)) if isinstance(c, dict)
