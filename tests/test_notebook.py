@@ -70,6 +70,12 @@ def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
   text = "".join(o.get("text", "") for o in outputs)
   assert "trained to step 2 of 2" in text and "per chip" in text  # training, the plan
   assert "no table by category" in text  # the tiny set has no categories
+  # the report, as the write-up shows it: its markdown in the notebook, its files in the run
+  report = tmp_path / "runs" / "tiny" / "report"
+  md = (report / "report.md").read_text()
+  assert md.startswith("# Run tiny") and sorted(report.glob("*.png"))
+  shown = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+  assert md in shown
   sft = json.loads((tmp_path / "runs" / "tiny-sft" / "run.json").read_text())
   assert sft["stage"] == "sft" and (tmp_path / "runs" / "tiny-sft" / "checkpoints" / "2").is_dir()
   prefer = json.loads((tmp_path / "runs" / "tiny-prefer" / "run.json").read_text())
