@@ -99,8 +99,9 @@ def reachable(host: str, port: int, timeout: float = 3.0) -> bool:
 
 def newest_cached(h, path: str | None = None) -> tuple[int, pathlib.Path] | None:
   """(version, local path) of the newest complete copy of kagglehub handle `h` (a model's or a
-  dataset's, parsed; `path`: a file inside it) in kagglehub's cache, or None. kagglehub serves
-  a versioned handle from there with no credentials and no network."""
+  dataset's, parsed; `path`: a file inside it) in kagglehub's cache, or None: the file
+  downloaded alone, or inside a complete download of the whole version. Either is read where it
+  lies, with no credentials and no network."""
   from kagglehub.cache import Cache
 
   cache = Cache()
@@ -108,10 +109,19 @@ def newest_cached(h, path: str | None = None) -> tuple[int, pathlib.Path] | None
   versions = [h.version] if h.is_versioned() else sorted(
       (int(p.name) for p in base.glob("*") if p.name.isdigit()), reverse=True)
   for v in versions:
-    hit = cache.load_from_cache(h.with_version(v), path)
+    one = h.with_version(v)
+    hit = cache.load_from_cache(one, path) or (path and _inside_whole(cache, one, path))
     if hit:
       return v, pathlib.Path(hit)
   return None
+
+
+def _inside_whole(cache, h, path: str) -> str | None:
+  """File `path` inside a complete download of the whole of versioned `h`: kagglehub marks that
+  with OWNER/NAME/N.complete, and gives the file no .complete/N/PATH.complete of its own."""
+  whole = cache.load_from_cache(h)
+  inside = pathlib.Path(whole or "", path.lstrip("/"))
+  return str(inside) if whole and inside.is_file() else None
 
 
 def scrub(text: str) -> str:

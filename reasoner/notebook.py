@@ -12,13 +12,13 @@ bad config in the parameters cell is one line, as on the command line.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
 from reasoner.engine import session
 from reasoner.config import Config, load_config
 from reasoner.config.loop import parse_deadline
+from reasoner.data.files import read_jsonl
 
 KAGGLE_DEADLINE = "8h30m"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def table(rows: list[dict], n: int = 4):
 def eval_rows(run_path: pathlib.Path, tag: str) -> list[dict]:
   """The rows of the latest evaluation tagged `tag` ('before', 'after', 'step-N') in the run."""
   p = pathlib.Path(run_path) / "samples.jsonl"
-  rows = [json.loads(l) for l in p.read_text().splitlines()] if p.is_file() else []
+  rows = read_jsonl(p, torn_tail_ok=True) if p.is_file() else []
   rows = [r for r in rows if r["tag"] == f"eval-{tag}"]
   last = max((r["step"] for r in rows), default=None)
   return [r for r in rows if r["step"] == last]

@@ -18,6 +18,7 @@ import math
 import pathlib
 import re
 
+from reasoner.data.files import read_jsonl
 from reasoner.engine import manifest
 from reasoner.errors import DataError
 
@@ -52,17 +53,9 @@ PLOTS = (
 
 
 def read_rows(path: pathlib.Path) -> list[dict]:
-  """The rows of a JSONL file ([] where there is none); a line that is not JSON is one line."""
-  if not path.is_file():
-    return []
-  out = []
-  for i, line in enumerate(path.read_text().splitlines(), 1):
-    if line.strip():
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}, line {i}: not a JSON row ({e.msg})") from None
-  return out
+  """The rows of a run's JSONL log ([] where there is none): a last row a kill cut short is
+  dropped, any other line that is not a JSON object is one line."""
+  return read_jsonl(path, torn_tail_ok=True) if path.is_file() else []
 
 
 def by_step(rows: list[dict]) -> tuple[dict[int, dict], dict[int, dict]]:

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT
-from reasoner.config import DataConfig
+from reasoner.config import DataConfig, EvalSet
 from reasoner.data import arithmetic, hub, prompts, sources
 
 
@@ -111,26 +111,28 @@ def test_the_mixed_example_and_optional_fields():
   assert all(r["category"] == "math" for r in sources.load_splits(DataConfig())[1])
 
 
+def _file(path, **fields) -> list[dict]:
+  """Every record of a jsonl file, read as a source reads it (an evaluation set of it all)."""
+  return sources.load_eval_set(EvalSet(name="file", source="jsonl", path=str(path), num=100,
+                                       **fields), DataConfig(), log=lambda _: None)
+
+
 def test_records_carry_responses_from_a_field_or_chat_messages(tmp_path):
   rows = [{"messages": [{"role": "user", "content": "Name a colour."},
                         {"role": "assistant", "content": "Blue."}], "category": "ideas"},
           {"prompt": "Say hi.", "reply": "Hi!"}]
   path = tmp_path / "chat.jsonl"
   path.write_text("\n".join(json.dumps(r) for r in rows[:1]))
-  got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
-                           "data.path")
+  got = _file(path)
   assert got == [{"question": "Name a colour.", "answer": None, "category": "ideas",
                   "response": "Blue.", "chosen": None, "rejected": None,
                   "rubric": None}]
   path.write_text(json.dumps(rows[1]))
-  cfg = DataConfig(source="jsonl", path=str(path), question_field="prompt",
-                   response_field="reply")
-  assert sources._read_file(str(path), "jsonl", cfg, "data.path")[0]["response"] == "Hi!"
+  assert _file(path, question_field="prompt", response_field="reply")[0]["response"] == "Hi!"
   path.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}))
   with pytest.raises(sources.DataError, match=r"record 0: 'messages' must be a user turn .* roles "
                                       r"\['system'\]"):
-    sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
-                       "data.path")
+    _file(path)
 
 
 def test_preference_pairs_from_fields_or_conversations(tmp_path):
@@ -140,13 +142,10 @@ def test_preference_pairs_from_fields_or_conversations(tmp_path):
                         {"role": "assistant", "content": reply}]
   path = tmp_path / "pairs.jsonl"
   path.write_text(json.dumps({"chosen": turn("4"), "rejected": turn("5")}) + "\n")
-  got = sources._read_file(str(path), "jsonl", DataConfig(source="jsonl", path=str(path)),
-                           "data.path")[0]
+  got = _file(path)[0]
   assert (got["question"], got["chosen"], got["rejected"]) == ("2 + 2?", "4", "5")
-  cfg = DataConfig(source="jsonl", path=str(path), question_field="q", chosen_field="good",
-                   rejected_field="bad")
   path.write_text(json.dumps({"q": "3 + 3?", "good": "6", "bad": "7"}) + "\n")
-  got = sources._read_file(str(path), "jsonl", cfg, "data.path")[0]
+  got = _file(path, question_field="q", chosen_field="good", rejected_field="bad")[0]
   assert (got["question"], got["chosen"], got["rejected"]) == ("3 + 3?", "6", "7")
   train, _ = sources.load_splits(DataConfig(difficulty="medium", num_train=8, num_eval=2))
   for r in train:  # the generated pairs: the worked solution against the wrong operation

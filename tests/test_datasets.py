@@ -101,8 +101,8 @@ def test_streaming_reads_only_the_first_records(tmp_path):
                    num_eval=2, **FIELDS)
   assert sources.load_splits(cfg, log=said.append) == (expected(ROWS[:4]), expected(ROWS[4:6]))
   assert said == [f"data: hf {tmp_path / 'js'}: 6 read; 4 training, 2 held out"]
-  with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'js'))} \(train\): not "
-                     r"readable \(.+\)$"):
+  with pytest.raises(DataError, match=rf"^config key 'data.path' = "
+                     rf"'{re.escape(str(tmp_path / 'js'))}', split 'train': not readable \(.+\)$"):
     sources.load_splits(DataConfig(source="hf", path=str(tmp_path / "js"), **FIELDS))
 
 
@@ -265,19 +265,31 @@ def test_kaggle_without_credentials_is_one_line(tmp_path, monkeypatch):
         name="k", source="kaggle", path="alice/sums", file="train.csv"),)))
 
 
+def kaggle_cache(home, version: int, rows: list[dict], marker: str | None = "file",
+                 file: str = "data/sums.jsonl") -> None:
+  """Version `version` of Kaggle dataset alice/sums in the kagglehub cache under `home` (where
+  no_kaggle_credentials points KAGGLEHUB_CACHE), laid out as kagglehub writes it: FILE in
+  datasets/alice/sums/versions/N/, marked complete as a file downloaded alone is
+  (.complete/N/FILE.complete), as a whole download is (`marker` "whole": N.complete), or not at
+  all (None: a download that never completed)."""
+  base = home / "cache" / "datasets" / "alice" / "sums"
+  (base / "versions" / str(version) / file).parent.mkdir(parents=True)
+  write_jsonl(base / "versions" / str(version) / file, rows)
+  done = {"file": base / ".complete" / str(version) / f"{file}.complete",
+          "whole": base / f"{version}.complete", None: None}[marker]
+  if done is not None:
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.touch()
+
+
 def test_kaggle_reads_kagglehubs_cache_offline(tmp_path, monkeypatch):
   """A cache laid out as kagglehub writes it (datasets/OWNER/DATASET/versions/N/FILE, with
-  .complete/N/FILE.complete): without credentials kagglehub serves a versioned handle from it,
-  and an unversioned one reads the newest version there."""
+  .complete/N/FILE.complete): without credentials the file is read from it, an unversioned
+  handle reading the newest complete version there."""
   no_kaggle_credentials(monkeypatch, tmp_path)
-  base = tmp_path / "cache" / "datasets" / "alice" / "sums"
-  for version, rows in ((1, ROWS[:4]), (3, ROWS)):
-    (base / "versions" / str(version) / "data").mkdir(parents=True)
-    write_jsonl(base / "versions" / str(version) / "data" / "sums.jsonl", rows)
-    (base / ".complete" / str(version) / "data").mkdir(parents=True)
-    (base / ".complete" / str(version) / "data" / "sums.jsonl.complete").touch()
-  (base / "versions" / "4" / "data").mkdir(parents=True)  # a download that never completed
-  write_jsonl(base / "versions" / "4" / "data" / "sums.jsonl", ROWS[:1])
+  kaggle_cache(tmp_path, 1, ROWS[:4])
+  kaggle_cache(tmp_path, 3, ROWS)
+  kaggle_cache(tmp_path, 4, ROWS[:1], marker=None)
   said = []
   cfg = DataConfig(source="kaggle", path="alice/sums", file="data/sums.jsonl", num_eval=2,
                    **FIELDS)
@@ -286,6 +298,46 @@ def test_kaggle_reads_kagglehubs_cache_offline(tmp_path, monkeypatch):
   pinned = DataConfig(source="kaggle", path="alice/sums/versions/1", file="data/sums.jsonl",
                       num_eval=1, **FIELDS)
   assert sources.load_splits(pinned, log=lambda _: None)[0] == expected(ROWS[:3])
+
+
+def test_kaggle_reads_a_file_of_a_whole_dataset_download_offline(tmp_path, monkeypatch):
+  """kagglehub marks a whole download of a version once (OWNER/DATASET/N.complete), not each of
+  its files: the file is read from inside it, without kagglehub (which would go online). A
+  whole download without the file is no copy of it."""
+  no_kaggle_credentials(monkeypatch, tmp_path)
+  kaggle_cache(tmp_path, 2, ROWS, marker="whole")
+  kaggle_cache(tmp_path, 5, ROWS, marker="whole", file="other.jsonl")
+  import kagglehub
+
+  monkeypatch.setattr(kagglehub, "dataset_download", lambda *a, **k: pytest.fail("online"))
+  cfg = DataConfig(source="kaggle", path="alice/sums", file="data/sums.jsonl", num_eval=2,
+                   **FIELDS)
+  assert sources.load_splits(cfg, log=lambda _: None) == (expected(ROWS[:10]),
+                                                          expected(ROWS[10:]))
+  with pytest.raises(DataError, match="^data.source 'kaggle' downloads 'missing.jsonl' of "
+                     "alice/sums, but no Kaggle credentials were found"):
+    sources.load_splits(DataConfig(source="kaggle", path="alice/sums", file="missing.jsonl",
+                                   **FIELDS))
+
+
+def test_hf_reads_csv_values_as_the_csv_source_does(tmp_path):
+  """Answers such as 007, 1.50 and NA stay that text through an hf source, a csv file or a
+  folder of them, as through `source: csv` (pandas would make them 7.0, 1.5 and null); an empty
+  cell is null in each."""
+  rows = [{"problem": f"Q{i}?", "solution": a, "level": lv} for i, (a, lv) in enumerate(
+      (("007", "1"), ("1.50", "2.0"), ("3", ""), ("NA", "None"), ("", "x"), ("-0", "1e3")))]
+  (tmp_path / "folder").mkdir()
+  for path in (tmp_path / "d.csv", tmp_path / "folder" / "train.csv"):
+    with path.open("w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=["problem", "solution", "level"])
+      w.writeheader()
+      w.writerows(rows)
+  as_csv = sources.load_splits(DataConfig(source="csv", path=str(tmp_path / "d.csv"),
+                                          num_eval=2, **FIELDS), log=lambda _: None)
+  assert [r["answer"] for r in as_csv[0] + as_csv[1]] == ["007", "1.50", "3", "NA", None, "-0"]
+  for path in (tmp_path / "d.csv", tmp_path / "folder"):
+    assert sources.load_splits(DataConfig(source="hf", path=str(path), num_eval=2, **FIELDS),
+                               log=lambda _: None) == as_csv, path
 
 
 def test_bad_source_settings_fail_in_one_line():

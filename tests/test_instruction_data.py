@@ -127,6 +127,7 @@ def test_the_source_and_its_eval_sets_load_from_the_config(tmp_path):
   import json
 
   from conftest import tiny_config
+  from reasoner.config import EvalSet
   from reasoner.data import sources
   from reasoner.errors import DataError
 
@@ -152,6 +153,7 @@ def test_the_source_and_its_eval_sets_load_from_the_config(tmp_path):
   rows = [{"question": "Say hi.", "constraints": [{"kind": "punctuation:no_comma", "args": {}}]},
           {"question": "Write f.", "tests": "assert f(1) == 2"}, {"question": "Plain."}]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  read = sources._read_file(str(path), "jsonl", cfg.data, "data.path")
+  read = sources.load_eval_set(EvalSet(name="mine", source="jsonl", path=str(path), num=3),
+                               cfg.data)
   assert read[0]["constraints"] == rows[0]["constraints"] and "tests" not in read[0]
   assert read[1]["tests"] == "assert f(1) == 2" and "constraints" not in read[2]

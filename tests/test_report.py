@@ -5,6 +5,7 @@ no model, no training."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
@@ -191,9 +192,18 @@ def test_a_folder_without_metrics_is_one_line(tmp_path):
     report.report(tmp_path / "absent")
 
 
-def test_a_torn_row_is_one_line_naming_the_file(tmp_path):
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n')
-  with pytest.raises(DataError, match=r"metrics.jsonl, line 2: not a JSON row"):
+def test_a_torn_last_row_is_dropped_and_any_other_bad_row_is_one_line(tmp_path):
+  """A kill mid-write cuts a run's last row short: the report reads the rows before it. A bad
+  row elsewhere, or one that is not an object, is one line naming the file and the line."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+  assert report.read_rows(path) == [{"step": 1, "loss": 1.0}]
+  path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.0}\n')
+  with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:1: not valid JSON \(.+\)$"):
+    report.report(tmp_path)
+  path.write_text('{"step": 1, "loss": 1.0}\n"hello"\n')
+  with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: not a JSON object but a "
+                     "string"):
     report.report(tmp_path)
 
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, dense_grade_probs, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.build import build
-from reasoner.config import ConfigError
+from reasoner.config import ConfigError, EvalSet
 from reasoner.data import sources
 from reasoner.models import lora as lora_lib
 from reasoner.engine.rollout import by_category
@@ -42,7 +42,8 @@ def setup():
 
 
 def test_records_keep_their_rubrics_in_every_form():
-  records = sources._read_file(str(GENERAL), "jsonl", tiny_config(*JUDGED).data, "data.path")
+  records = sources.load_eval_set(EvalSet(name="general", source="jsonl", path=str(GENERAL),
+                                           num=100), tiny_config(*JUDGED).data)
   poem, bees, tips = records[0], records[3], records[10]
   assert poem["rubric"][0] == ("The response is a poem of exactly four lines.", 3.0)
   assert poem["rubric"][3][1] == -2.0  # a pitfall

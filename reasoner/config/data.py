@@ -15,6 +15,10 @@ READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k")  # sources of rows, 
 _PATHS = {"hf": "a Hugging Face dataset id (OWNER/NAME) or a local folder or file",
           "kaggle": "a Kaggle dataset, OWNER/DATASET or OWNER/DATASET/versions/N"}
 _TEMPLATES = ("response_template", "chosen_template", "rejected_template")
+# the data files read (jsonl, parquet and csv sources, a Kaggle dataset's file, an hf local
+# file or folder), by suffix: each one's kind, as data/files.py reads it
+FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+SUFFIXES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,8 +95,8 @@ def check_source(c, key: str) -> None:
   if c.source == "kaggle":
     if not re.fullmatch(r"[\w.-]+/[\w.-]+(/versions/\d+)?", c.path):
       _fail(f"{key}.path", c.path, _PATHS["kaggle"])
-    if not c.file or not c.file.endswith((".jsonl", ".json", ".parquet", ".csv")):
-      _fail(f"{key}.file", c.file, "a .jsonl, .json, .parquet or .csv file in the Kaggle dataset")
+    if not c.file or not c.file.endswith(tuple(FILE_KINDS)):
+      _fail(f"{key}.file", c.file, f"a {SUFFIXES} file in the Kaggle dataset")
   elif c.file is not None:
     _fail(f"{key}.file", c.file, f"null unless {own} is 'kaggle'")
   if getattr(c, "eval_path", None) is not None and c.source in ("hf", "kaggle", "gsm8k"):

@@ -5,13 +5,15 @@ hf: `path` is a dataset id, read by `datasets` (downloaded to its cache, or with
 only its first rows), or a local folder or file: a `save_to_disk` folder (a DatasetDict's splits,
 or a Dataset as the split `train`), or parquet, json, jsonl or csv files, split by their names
 as `datasets` splits a Hub repository's (train-*.jsonl, test.parquet; otherwise all `train`).
-Local files stream, so nothing is written to the Hugging Face cache for them; a `path` that
-exists on disk is read as a local one, before any Hub id of that name.
+A single file is its split `train`, read by `files` as the file sources read it; a folder's
+files stream, so nothing is written to the Hugging Face cache for them, and a folder of csv
+files is read as text, as the csv source reads it (pandas would make an answer 007 the number
+7.0). A `path` that exists on disk is read as a local one, before any Hub id of that name.
 
 kaggle: `file` inside the dataset `path` (OWNER/DATASET[/versions/N]), fetched by
 `kagglehub.dataset_download`. Without credentials or the network, the newest complete copy in
-kagglehub's cache (KAGGLEHUB_CACHE, default ~/.cache/kagglehub) is read: kagglehub serves a
-versioned handle from there.
+kagglehub's cache (KAGGLEHUB_CACHE, default ~/.cache/kagglehub) is read where it lies: the file
+downloaded alone, or inside a whole download of the dataset.
 
 Every failure is one DataError line naming what to do, and it comes in seconds: offline, the
 Hub is never asked (datasets would retry for minutes).
@@ -28,11 +30,12 @@ import pathlib
 import re
 
 from reasoner import credentials
+from reasoner.config.data import FILE_KINDS
+from reasoner.data import files
 from reasoner.errors import DataError, first_line
 
 log = logging.getLogger("reasoner")
 
-_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 _WAYS_OUT = ("point {key} at a local folder or file (Dataset.save_to_disk, or parquet, json, "
              "jsonl or csv files), or fill the Hugging Face cache online and set "
              "HF_DATASETS_OFFLINE=1")
@@ -45,6 +48,9 @@ def hf_rows(c, section: str, limits: dict[str, int | None],
   local = pathlib.Path(c.path).expanduser()
   if local.exists():
     splits = _local(local, c, section)
+  elif local.suffix.lower() in FILE_KINDS:  # a mistyped file name, not a Hub id
+    where = "" if local.is_absolute() else f" (looked for {local.absolute()})"
+    raise DataError(f"config key '{section}.path' = '{c.path}': no such file{where}")
   elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", c.path):
     splits = _hub(c, section, source)
   else:
@@ -55,7 +61,8 @@ def hf_rows(c, section: str, limits: dict[str, int | None],
       which = "split" if name == c.split else "eval_split"
       raise DataError(f"config key '{section}.{which}' = '{name}': {c.path} has no such split; "
                       f"it has {', '.join(splits)}")
-  return {name: _take(splits[name], n, f"{c.path} ({name})") for name, n in limits.items()}
+  key = f"config key '{section}.path' = '{c.path}'"
+  return {name: _take(splits[name], n, f"{key}, split '{name}'") for name, n in limits.items()}
 
 
 def _take(split, n: int | None, where: str) -> list[dict]:
@@ -72,24 +79,51 @@ def _local(path: pathlib.Path, c, section: str):
   import datasets
 
   if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-    if c.subset is not None:
-      raise DataError(f"config key '{section}.subset' = '{c.subset}': {path} is a save_to_disk "
-                      "folder, which has no subsets; set it to null")
-    saved = datasets.load_from_disk(str(path))
-    return {"train": saved} if isinstance(saved, datasets.Dataset) else saved
+    return _saved(path, c, section)
+  if path.is_file():
+    if path.suffix not in FILE_KINDS:
+      raise DataError(f"config key '{section}.path' = '{path}': not a parquet, json, jsonl or "
+                      "csv file, nor a folder")
+    return {"train": files.file_rows(str(path), FILE_KINDS[path.suffix], f"{section}.path")}
   try:
-    if path.is_file():
-      if path.suffix not in _BUILDERS:
-        raise DataError(f"config key '{section}.path' = '{path}': not a parquet, json, jsonl or "
-                        "csv file, nor a folder")
-      return datasets.load_dataset(_BUILDERS[path.suffix], data_files={"train": str(path)},
-                                   streaming=True)
-    return datasets.load_dataset(str(path), c.subset, streaming=True)
+    return datasets.load_dataset(str(path), c.subset, streaming=True, **_as_text(path))
   except FileNotFoundError:
     raise DataError(f"config key '{section}.path' = '{path}': neither a save_to_disk folder nor "
                     "a folder of parquet, json, jsonl or csv files") from None
   except ValueError as e:
     raise _subset_error(e, c, section) from None
+
+
+def _saved(path: pathlib.Path, c, section: str):
+  """The splits of a save_to_disk folder."""
+  import datasets
+
+  if c.subset is not None:
+    raise DataError(f"config key '{section}.subset' = '{c.subset}': {path} is a save_to_disk "
+                    "folder, which has no subsets; set it to null")
+  try:
+    saved = datasets.load_from_disk(str(path))
+  except Exception as e:  # a partial copy: datasets raises JSON, arrow and file errors alike
+    raise DataError(f"config key '{section}.path' = '{path}': a save_to_disk folder that "
+                    f"cannot be read ({first_line(e)})") from None
+  return {"train": saved} if isinstance(saved, datasets.Dataset) else saved
+
+
+def _as_text(path: pathlib.Path) -> dict:
+  """load_dataset's options for a folder of csv files alone: every column a string and only an
+  empty cell null, as the csv source reads them (pandas would make 007 the number 7.0 and NA
+  null). Only where all its csv files have one header: the columns must be named."""
+  import datasets
+
+  found = [p for p in path.rglob("*") if p.suffix in FILE_KINDS  # datasets skips .* and _*
+           and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
+  if not found or any(p.suffix != ".csv" for p in found):
+    return {}
+  headers = {files.csv_header(p) for p in found}
+  if len(headers) != 1 or None in headers:
+    return {}
+  features = datasets.Features({k: datasets.Value("string") for k in headers.pop()})
+  return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 def _hub(c, section: str, source: str):
@@ -164,7 +198,7 @@ def kaggle_file(c, section: str) -> pathlib.Path:
   import kagglehub
   from kagglehub.handle import parse_dataset_handle
 
-  h, handle = parse_dataset_handle(c.path), c.path
+  h = parse_dataset_handle(c.path)
   creds = credentials.credential_source()
   host, port = credentials.api_host()
   if not (creds and credentials.reachable(host, port)) and not credentials.in_kaggle_notebook():
@@ -175,14 +209,15 @@ def kaggle_file(c, section: str) -> pathlib.Path:
       raise DataError(f"{section}.source 'kaggle' downloads '{c.file}' of {c.path}, but {why}; "
                       f"or set {section}.source to jsonl, parquet or csv and {section}.path to "
                       "a local copy")
-    handle = f"{h.owner}/{h.dataset}/versions/{cached[0]}"
-    log.info("reading %s of %s from kagglehub's cache (no network or no credentials)", c.file,
-             handle)
+    # read where it lies: kagglehub would ask the network for a file of a whole download
+    log.info("reading %s of %s/%s/versions/%d from kagglehub's cache (no network or no "
+             "credentials)", c.file, h.owner, h.dataset, cached[0])
+    return cached[1]
   try:
-    return pathlib.Path(kagglehub.dataset_download(handle, path=c.file))
+    return pathlib.Path(kagglehub.dataset_download(c.path, path=c.file))
   except Exception as e:  # kagglehub raises HTTP, auth and connection errors of many types
     text = credentials.scrub(" ".join(str(e).split()))[:300]
     page = "kaggle.com/datasets/" + "/".join(c.path.split("/")[:2])
     hint = f"; are the dataset and the file right? ({page})" if "404" in text else ""
-    raise DataError(f"downloading '{c.file}' of Kaggle dataset {handle} failed: "
+    raise DataError(f"downloading '{c.file}' of Kaggle dataset {c.path} failed: "
                     f"{type(e).__name__}: {text}{hint}") from None

@@ -11,96 +11,51 @@ content}, {role: assistant (or model), content}]; a pair's chosen and rejected m
 a list (TRL's conversational format), the question taken from its user turn.
 
 Every source of rows maps them to records alike, by the configured field names: jsonl, parquet
-and csv files, a file of a Kaggle dataset and a Hugging Face dataset's splits (both fetched by
-`hub`), and gsm8k, a Hugging Face dataset with a mapping of its own. A response (and a pair's
-texts) may instead be written from a record's fields by a template (data.response_template).
-Each such source is checked as it loads and summed up in one line: the records read, those
-dropped (a field a template names missing; a question already in training, the first kept) and
-the training records whose question is also held out, dropped from training (contamination).
+and csv files (read by `files`), a file of a Kaggle dataset and a Hugging Face dataset's
+splits (both fetched by `hub`), and gsm8k, a Hugging Face dataset with a mapping of its own. A
+response (and a pair's texts) may instead be written from a record's fields by a template
+(data.response_template). Each such source is checked as it loads and summed up in one line:
+the records read, those dropped (no question, or a field a template names missing; a question
+already in training, the first kept) and the training records whose question is also held
+out, dropped from training (contamination).
 """
 
 from __future__ import annotations
 
 import collections
-import csv
 import dataclasses
-import json
 import logging
-import pathlib
 import re
 from typing import Any
 
 import grain
 
 from reasoner.config import DataConfig, EvalSet
-from reasoner.config.data import READ, Fields, Hub, template_fields
+from reasoner.config.data import FILE_KINDS, READ, Fields, Hub, template_fields
 from reasoner.errors import DataError
 from reasoner.data import arithmetic, hub, instructions
+from reasoner.data.files import file_rows
 
 _log = logging.getLogger("reasoner")
 _TEXTS = ("response", "chosen", "rejected")  # a record's texts a template may write
-_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # gsm8k: GSM8K's splits and fields, its worked solutions the responses (gsm8k_record)
 GSM8K = dict(path="openai/gsm8k", subset="main", split="train", eval_split="test",
              question_field="question", answer_field="answer", category_field="category",
              response_field="response")
 
 
-def _read_file(path: str, kind: str, cfg: DataConfig | EvalSet, key: str) -> list[dict]:
-  """Records of a jsonl / parquet / csv file; `key` names the file's config key, and the field
-  keys are named beside it (data.question_field, eval.sets[NAME].question_field)."""
-  return _records(_file_rows(path, kind, key), cfg, path, key.rsplit(".", 1)[0],
-                  getattr(cfg, "overlong", "drop"))[0]
-
-
-def _file_rows(path: str, kind: str, key: str) -> list[dict]:
-  """The rows of a jsonl, json (a list, or an object a line), parquet or csv file."""
-  p = pathlib.Path(path)
-  if not p.is_file():
-    raise DataError(f"config key '{key}' = '{path}': the file does not exist")
-  if kind == "parquet":
-    import pyarrow.parquet as pq
-
-    try:
-      return pq.read_table(p).to_pylist()
-    except Exception as e:  # pyarrow raises several types for unreadable files
-      raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-  if kind == "csv":
-    return _csv_rows(p)
-  text = p.read_text()
-  if kind == "json" and text.lstrip().startswith("["):
-    try:
-      return json.loads(text)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-  rows = []
-  for i, line in enumerate(text.splitlines(), 1):
-    if line.strip():
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-  return rows
-
-
-def _csv_rows(p: pathlib.Path) -> list[dict]:
-  """A csv file's rows under its header: every value a string, an empty cell None."""
-  with p.open(newline="", encoding="utf-8-sig") as f:
-    reader = csv.DictReader(f)
-    try:
-      return [{k: v or None for k, v in row.items() if k is not None} for row in reader]
-    except csv.Error as e:
-      raise DataError(f"{p}:{reader.line_num}: not valid CSV ({e})") from None
-
-
 def _records(rows: list[dict], cfg, where: str, section: str,
              overlong: str) -> tuple[list[dict], collections.Counter]:
-  """The records of `rows` by cfg's fields and templates, and the rows dropped, by reason: a
-  field a template names missing (or null), as `overlong` says (drop; error: one line)."""
+  """The records of `rows` by cfg's fields and templates, and the rows dropped, by reason: no
+  question (missing, null or blank: str() would train on the text 'None'), or a field a
+  template names missing (or null), as `overlong` says (drop; error: one line)."""
   rows = [_expanded(row, cfg, f"{where}: record {i}") for i, row in enumerate(rows)]
   templates = _templates(rows, cfg, where, section)
   out, dropped = [], collections.Counter()
   for i, row in enumerate(rows):
+    if row.get(cfg.question_field) is None or not str(row[cfg.question_field]).strip():
+      dropped[f"missing field '{cfg.question_field}'"] += 1
+      continue
     texts, gap = {}, None
     for k, (template, names) in templates.items():
       gap = next((n for n in names if row.get(n) is None), None)
@@ -155,10 +110,7 @@ def _templates(rows: list[dict], cfg, where: str, section: str) -> dict[str, tup
 
 
 def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str]) -> dict:
-  """One record of a row (`texts`: those its templates wrote)."""
-  if cfg.question_field not in row:
-    raise DataError(f"{where} has no field '{cfg.question_field}' ({section}.question_field); "
-                    f"it has {', '.join(sorted(row))}")
+  """One record of a row that has a question (`texts`: those its templates wrote)."""
   curriculum = getattr(cfg, "curriculum", None)
   level = curriculum.field if curriculum is not None else None  # a curriculum's field, kept
   answer, category = row.get(cfg.answer_field), row.get(cfg.category_field)
@@ -289,13 +241,13 @@ def _fetch(c, section: str, n_train: int, n_held: int):
                                      if isinstance(c, EvalSet) else {})})
   if c.source == "kaggle":
     path = hub.kaggle_file(c, section)
-    rows = _file_rows(str(path), _KINDS[path.suffix], f"{section}.file")
+    rows = file_rows(str(path), FILE_KINDS[path.suffix], f"{section}.file")
     return c, f"kaggle {c.path} {c.file}", (rows, str(path)), None
   if c.source != "hf":
     eval_path = getattr(c, "eval_path", None)
-    held = (_file_rows(eval_path, c.source, f"{section}.eval_path"), eval_path) if (
+    held = (file_rows(eval_path, c.source, f"{section}.eval_path"), eval_path) if (
         eval_path and n_held) else None
-    return c, f"{named} {c.path}", (_file_rows(c.path, c.source, f"{section}.path"), c.path), held
+    return c, f"{named} {c.path}", (file_rows(c.path, c.source, f"{section}.path"), c.path), held
   held_split = c.eval_split if n_held else None
   limits = {c.split: (n_train + (0 if held_split else n_held)) if c.streaming else None}
   if held_split:

@@ -2,8 +2,8 @@
 
 Only process 0 writes; other processes get a writer that does nothing. A run resumed at step S
 (from its own checkpoint or another session's, `carry_over`) keeps each step's rows once: rows
-past S are dropped and TensorBoard purges its events past S. With `wandb` in `train.loggers`, the
-same scalars go to Weights & Biases as well (`wandb_log`).
+past S are dropped (and a last row a kill cut short) and TensorBoard purges its events past S.
+With `wandb` in `train.loggers`, the same scalars go to Weights & Biases as well (`wandb_log`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from reasoner.data.files import jsonl_rows, read_jsonl, read_text
 from reasoner.engine import wandb_log
 
 
@@ -97,8 +98,7 @@ class MetricsWriter:
     out = {t: [] for t in tags}
     path = self.path / "samples.jsonl"
     if self.enabled and path.exists():
-      for line in path.read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
+      for r in read_jsonl(path, torn_tail_ok=True):
         if r.get("tag") in out:
           out[r["tag"]].append(r)
     return out
@@ -117,7 +117,7 @@ class MetricsWriter:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(l) for l in (self.path / "metrics.jsonl").read_text().splitlines() if l]
+    rows = read_jsonl(self.path / "metrics.jsonl", torn_tail_ok=True)
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/mean_reward"]) for r in rows if "eval/mean_reward" in r]
     # an SFT or preference step's row: its loss on its own axis
@@ -197,14 +197,18 @@ def _append(path: pathlib.Path, text: str) -> None:
 
 
 def truncate_rows(path: pathlib.Path, step: int) -> None:
-  """Drops the JSONL rows of steps after `step` (written before a crash, to be written again)."""
+  """Drops the JSONL rows of steps after `step` (written before a crash, to be written again),
+  and a last row a kill cut short; the file is rewritten only where one is dropped, or where
+  its last row lacks its newline (the next row would join it)."""
   if not path.is_file():
     return
-  lines = path.read_text().splitlines(keepends=True)
-  kept = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
-  if len(kept) != len(lines):
+  text = read_text(path)
+  rows = jsonl_rows(text, str(path), torn_tail_ok=True)
+  kept = [r for r in rows if r.get("step", 0) <= step]
+  lines = sum(1 for line in text.split("\n") if line.strip())
+  if len(kept) != lines or (text.strip() and not text.endswith("\n")):
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     tmp.replace(path)
 
 
