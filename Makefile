@@ -31,7 +31,7 @@ sft: $(STAMP)
 	$(PY) -m reasoner sft --config configs/embedded_sft.yaml $(ARGS)
 	$(PY) -m reasoner train --config configs/embedded.yaml lora.init_from=runs/embedded_sft \
 	  data.template=plain train.run_name=embedded_sft_grpo rollout.temperature=1.0 \
-	  grpo.dynamic_sampling=true grpo.max_sample_batches=2
+	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 optim.learning_rate=3e-5
 
 # Three stages on the medium arithmetic set: SFT, preference optimisation (SimPO on the policy's
 # own pairs: a right answer against a wrong one, configs/embedded_prefer.yaml), then GRPO.
@@ -42,7 +42,7 @@ prefer: $(STAMP)
 	$(PY) -m reasoner train --config configs/embedded.yaml lora.init_from=runs/medium_prefer \
 	  data.template=plain data.difficulty=medium data.num_eval=256 eval.batch_size=64 \
 	  train.run_name=medium_prefer_grpo train.eval_before=false rollout.temperature=1.0 \
-	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 $(ARGS)
+	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 optim.learning_rate=3e-5 $(ARGS)
 
 # A mixture of arithmetic and general prompts (data/general.jsonl), rewards by category, an
 # adaptive curriculum; the held-out mean reward printed by category before and after.
