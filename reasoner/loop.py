@@ -99,8 +99,9 @@ class Run:
                      via="lora.init_from")
     with self.clock.timed("load"):
       self.setup = build(cfg, check_records=kind.check_records, teacher=kind.needs_teacher)
-    self.writer = MetricsWriter(self.path, loggers=cfg.train.loggers, config=cfg.to_dict())
-    self.writer.write_json("config.json", cfg.to_dict(), overwrite=False)
+    config = cfg.to_dict()
+    self.writer = MetricsWriter(self.path, loggers=cfg.train.loggers, config=config)
+    self.writer.write_json("config.json", config, overwrite=False)
     self.trainer = kind.trainer.for_run(self.setup.graphdef, self.setup.base, cfg)
     self.sampler = Sampler.for_run(self.setup)
     self.ckpt = Checkpointer(self.path / "checkpoints", cfg.train.keep_checkpoints)

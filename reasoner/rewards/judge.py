@@ -109,22 +109,36 @@ def prefix_template(template: str) -> str | None:
   return None
 
 
+def left_padded(prompts: list[list[int]], n: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+  """`prompts` (token ids) as [n, P] tokens left-padded to a multiple of 64, and their valid
+  mask; filler rows past `prompts` are one pad token, so a batch keeps its shape."""
+  width = 64 * math.ceil(max(map(len, prompts)) / 64)
+  tokens = np.full((n, width), pad, np.int32)
+  valid = np.zeros((n, width), bool)
+  for i, x in enumerate(prompts):
+    tokens[i, width - len(x):], valid[i, width - len(x):] = x, True
+  valid[len(prompts):, -1] = True
+  return tokens, valid
+
+
+def planned_prefix(cfg: JudgeConfig) -> int:
+  """The prefix tokens `plan` gives a criteria pass: the rest of `judge.max_tokens` beside a
+  suffix of `SUFFIX_PLANNED`, in the passes' multiple of 64."""
+  return 64 * math.ceil(max(cfg.max_tokens - SUFFIX_PLANNED, 1) / 64)
+
+
 def pack(rows: list, n: int, k: int, pad: int) -> tuple[np.ndarray, ...]:
   """`rows` of (prefix ids, [suffix ids]) as one pass's arrays for `n` completions of `k`
   suffixes: prefixes [n, P] left-padded to a multiple of 64 tokens, suffixes [n, k, S] right-
   padded to a power of two of 16 or more, and their lengths [n, k] (0: no criterion), so that
   a jitted pass is reused across calls. Filler completions (past `rows`) are one pad token."""
-  width = 64 * math.ceil(max(len(p) for p, _ in rows) / 64)
+  prefix, valid = left_padded([p for p, _ in rows], n, pad)
   s = max(16, 1 << (max(len(x) for _, xs in rows for x in xs) - 1).bit_length())
-  prefix = np.full((n, width), pad, np.int32)
-  valid = np.zeros((n, width), bool)
   suffix = np.full((n, k, s), pad, np.int32)
   lengths = np.zeros((n, k), np.int32)
-  for i, (p, xs) in enumerate(rows):
-    prefix[i, width - len(p):], valid[i, width - len(p):] = p, True
+  for i, (_, xs) in enumerate(rows):
     for j, x in enumerate(xs):
       suffix[i, j, :len(x)], lengths[i, j] = x, len(x)
-  valid[len(rows):, -1] = True
   return prefix, valid, suffix, lengths
 
 
@@ -164,7 +178,7 @@ def estimate(cfg: JudgeConfig, model: ModelConfig, chips: int) -> dict:
   weights += t.num_embed * d
   k = cfg.max_criteria if prefix_template(cfg.criterion_prompt) is not None else 0
   s = SUFFIX_PLANNED if k else 0
-  b, p = cfg.batch_size, 64 * math.ceil(max(cfg.max_tokens - s, 1) / 64)
+  b, p = cfg.batch_size, planned_prefix(cfg) if k else 64 * math.ceil(cfg.max_tokens / 64)
   cache = t.num_layers * b * (p + s) * 2 * kh if k else 0
   item = jnp.dtype(model.dtype).itemsize
   return {"arguments": int(weights * item / chips),
@@ -277,7 +291,7 @@ class Judge:
     pass of `criteria_probs`: `judge.batch_size` completions, each with `judge.max_criteria`
     suffixes of `SUFFIX_PLANNED` tokens behind a prefix of the rest of `judge.max_tokens`."""
     b, k, s = self.cfg.batch_size, self.cfg.max_criteria, SUFFIX_PLANNED
-    p = 64 * math.ceil(max(self.cfg.max_tokens - s, 1) / 64)
+    p = planned_prefix(self.cfg)
     put = lambda shape, dtype: mesh_lib.batch_struct(self.mesh, shape, dtype)
     return (self.params, put((b, p), jnp.int32), put((b, p), jnp.bool_),
             put((b, k, s), jnp.int32), put((b, k), jnp.int32), self.yes_no)
@@ -339,13 +353,7 @@ class Judge:
     out = []
     for k in range(0, len(prompts), self.cfg.batch_size):
       ids = [x[-self.cfg.max_tokens:] for x in prompts[k:k + self.cfg.batch_size]]
-      rows = self.cfg.batch_size
-      width = 64 * math.ceil(max(map(len, ids)) / 64)
-      tokens = np.full((rows, width), self.tokenizer.pad_id, np.int32)
-      valid = np.zeros((rows, width), bool)
-      for i, x in enumerate(ids):
-        tokens[i, width - len(x):], valid[i, width - len(x):] = x, True
-      valid[len(ids):, -1] = True  # filler rows (one token each) keep the batch's shape
+      tokens, valid = left_padded(ids, self.cfg.batch_size, self.tokenizer.pad_id)
       put = lambda a: mesh_lib.put_batch(self.mesh, a)
       out.append(mesh_lib.to_host(self._probs(self.params, put(tokens), put(valid), grades))[
           :len(ids)])
