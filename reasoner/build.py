@@ -90,8 +90,8 @@ def check(cfg: Config, devices: list | None = None,
   for m in (cfg.model, cfg.judge.model if judged(cfg) else None):
     if m is not None:
       load.check(m)
-  train, held_out = sources.load_splits(cfg.data)
   sets = {s.name: sources.load_eval_set(s, cfg.data) for s in cfg.eval.sets}
+  train, held_out = sources.load_splits(cfg.data, evaluated=sets)  # less the sets' questions
   for where, records in (("the training data", train), ("the held-out data", held_out),
                          *((f"evaluation set '{k}'", v) for k, v in sets.items())):
     rewards.check(records, where)

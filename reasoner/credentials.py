@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import socket
+from urllib.parse import urlsplit
 
 from reasoner.errors import ConfigError
 
@@ -77,16 +78,46 @@ def in_kaggle_notebook() -> bool:
 
 
 def api_host() -> tuple[str, int]:
-  """The host and port kagglehub downloads from (KAGGLE_API_ENVIRONMENT selects it)."""
-  from urllib.parse import urlparse
-
+  """The host and port a kagglehub download connects to first: the proxy the environment names
+  for it (`proxy_for`), else the API host (KAGGLE_API_ENVIRONMENT selects it)."""
   try:
     from kagglesdk.kaggle_env import get_endpoint, get_env
 
-    url = urlparse(get_endpoint(get_env()))
+    url = get_endpoint(get_env())
   except Exception:  # an unknown KAGGLE_API_ENVIRONMENT: kagglehub will complain itself
-    url = urlparse("https://api.kaggle.com")
-  return url.hostname or "api.kaggle.com", url.port or (443 if url.scheme == "https" else 80)
+    url = "https://api.kaggle.com"
+  return first_hop(url)
+
+
+_PORTS = {"http": 80, "https": 443, "socks4": 1080, "socks5": 1080, "socks5h": 1080}
+
+
+def first_hop(url: str) -> tuple[str, int]:
+  """The host and port a request to `url` connects to first: its proxy (`proxy_for`), else the
+  url's own host and port."""
+  return proxy_for(url) or _address(urlsplit(url))
+
+
+def proxy_for(url: str) -> tuple[str, int] | None:
+  """The host and port of the proxy a request to `url` goes through, as httpx and requests
+  choose it: the one the environment names for the url's scheme (HTTPS_PROXY or https_proxy;
+  else ALL_PROXY), unless NO_PROXY names the url's host; None: none."""
+  from urllib.request import getproxies, proxy_bypass
+
+  u = urlsplit(url)
+  proxies = getproxies()
+  proxy = proxies.get(u.scheme) or proxies.get("all")
+  if not proxy or proxy_bypass(u.hostname or ""):
+    return None
+  return _address(urlsplit(proxy if "://" in proxy else f"http://{proxy}"))  # as httpx reads it
+
+
+def _address(u) -> tuple[str, int]:
+  try:
+    port = u.port
+  except ValueError:  # not a number: the connection will fail as the request's would
+    port = None
+  return u.hostname or "", port or _PORTS.get(u.scheme, 80)
 
 
 def reachable(host: str, port: int, timeout: float = 3.0) -> bool:

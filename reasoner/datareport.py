@@ -96,14 +96,15 @@ def report(cfg: Config, stage: str = "grpo", out=print, tokens: Counter | None =
   `tokens`: the counter, default the run's tokenizer)."""
   key, fields = STAGES[stage]
   d = cfg.data
-  train, held = sources.load_splits(d, log=out)
   sets = {s.name: sources.load_eval_set(s, d, log=out) for s in cfg.eval.sets}
+  train, held = sources.load_splits(d, log=out, evaluated=sets)
   tokens = tokens or counter(cfg.model)
   out(f"tokens: {tokens.label}; a prompt's count includes its BOS, a response's its stop token")
   out(f"budgets: prompts data.max_prompt_tokens = {d.max_prompt_tokens} (data.template: "
       f"{d.template}, data.overlong: {d.overlong}); responses, stage {stage}: {key} = "
       f"{_budget(cfg, key)}" + ("; evaluation sets' answers: eval.max_new_tokens = "
-                                f"{cfg.eval.max_new_tokens}" if sets else ""))
+                                f"{cfg.eval.max_new_tokens}" if sets else "")
+      + "".join(f", {s.name}'s {s.max_new_tokens}" for s in cfg.eval.sets if s.max_new_tokens))
   weights = sources.draw_weights(train, d.mixture) or [1.0] * len(train)
   if d.curriculum is not None:
     out("data.curriculum: the draws below change over the run as the curriculum orders them")
@@ -128,7 +129,10 @@ def report(cfg: Config, stage: str = "grpo", out=print, tokens: Counter | None =
     out("")
     out(f"== evaluation set {s.name!r} ({label(s)}): {len(sets[s.name])} evaluated")
     _categories(sets[s.name], None, None, None, out)
-    _source(cfg, sets[s.name], [], tokens, "eval.max_new_tokens", ("response",), "eval", out)
+    key = (f"eval.sets[{s.name}].max_new_tokens" if s.max_new_tokens else
+           "eval.max_new_tokens")
+    _source(cfg, sets[s.name], [], tokens, key, ("response",), "eval", out,
+            s.max_new_tokens or cfg.eval.max_new_tokens)
 
 
 def _categories(records: list[dict], held: list[dict] | None, weights: list[float] | None,
@@ -150,8 +154,9 @@ def _categories(records: list[dict], held: list[dict] | None, weights: list[floa
 
 
 def _source(cfg: Config, train: list[dict], held: list[dict], tokens: Counter, key: str,
-            fields: tuple[str, ...], stage: str, out) -> None:
-  """A source's prompt and response lengths against their budgets, and two examples."""
+            fields: tuple[str, ...], stage: str, out, budget: int | None = None) -> None:
+  """A source's prompt and response lengths against their budgets (the response's: `budget`,
+  else config key `key`'s), and two examples."""
   d = cfg.data
   render = lambda r: prompts.render(d.template, r["question"])
   lengths = [tokens.count(render(r)) for r in train + held]
@@ -163,7 +168,7 @@ def _source(cfg: Config, train: list[dict], held: list[dict], tokens: Counter, k
       + (f", {fate}" if max(lengths) > limit else ""))
   texts = [[r[f] for f in fields if r.get(f) is not None] for r in train]
   answered = [max(tokens.count(x) for x in ts) for ts in texts if ts]
-  budget = _budget(cfg, key)
+  budget = budget or _budget(cfg, key)
   what = " and ".join(fields)
   if not answered:
     out(f"  {what}: no record has one")

@@ -58,11 +58,15 @@ def majority_correct(completions: list[str], reference: str) -> float:
   return float(rewards_lib.answers_match(top, str(reference)))
 
 
-def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> tuple[dict, list]:
-  """Greedy decoding on held-out records: mean reward, accuracy and format rate; with
-  `eval.samples`, pass@k and majority-vote accuracy too. Rows: the greedy completions."""
+def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict],
+             max_new_tokens: int | None = None) -> tuple[dict, list]:
+  """Greedy decoding on held-out records (at most `max_new_tokens`, default
+  eval.max_new_tokens): mean reward, accuracy and format rate; with `eval.samples`, pass@k and
+  majority-vote accuracy too. Rows: the greedy completions."""
   cfg = setup.cfg
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=True)
+  if max_new_tokens:
+    scfg = dataclasses.replace(scfg, max_new_tokens=max_new_tokens)
   totals, correct, fmt, rows = [], [], [], []
   for i in range(0, len(records), cfg.eval.batch_size):
     chunk = records[i:i + cfg.eval.batch_size]
@@ -231,9 +235,10 @@ def evaluate_all(setup: Setup, sampler: Sampler, lora, tag: str,
   sets' under "sets". `versus`: another model's held-out completions (the model before
   training's), which the judge compares with these (`win_rate`)."""
   sets = {"held-out": setup.eval_records, **setup.eval_sets}
+  budgets = {s.name: s.max_new_tokens for s in setup.cfg.eval.sets}
   out = {}
   for name, records in sets.items():
-    result, rows = evaluate(setup, sampler, lora, records)
+    result, rows = evaluate(setup, sampler, lora, records, budgets.get(name))
     held_out = name == "held-out"
     if held_out and versus:
       result.update(win_rate(setup, rows, versus))

@@ -68,11 +68,16 @@ def tiny_overrides(tmp_path):
   return [f"train.run_dir={tmp_path}"]
 
 
+# the variables that send a request through a proxy (urllib's getproxies, httpx, requests)
+PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy",
+           "NO_PROXY", "no_proxy")
+
+
 def no_kaggle_credentials(monkeypatch, home):
-  """No Kaggle credentials anywhere kagglehub looks (the environment, `home`/.kaggle), and an
-  empty kagglehub cache under `home`."""
+  """No Kaggle credentials anywhere kagglehub looks (the environment, `home`/.kaggle), no
+  proxy, and an empty kagglehub cache under `home`."""
   for k in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR",
-            "KAGGLE_KERNEL_RUN_TYPE"):
+            "KAGGLE_KERNEL_RUN_TYPE", *PROXIES):
     monkeypatch.delenv(k, raising=False)
   monkeypatch.setenv("HOME", str(home))
   monkeypatch.setenv("KAGGLEHUB_CACHE", str(home / "cache"))

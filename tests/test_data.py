@@ -1,4 +1,5 @@
 import json
+import re
 import time
 
 import pyarrow as pa
@@ -162,14 +163,48 @@ def test_arithmetic_worked_solutions_state_the_answer():
     assert rewards.format_exact([""], [r["response"]])[0] == 1.0
 
 
-def test_gsm8k_solutions_become_responses():
+def test_gsm8k_solutions_become_responses(tmp_path, monkeypatch):
+  """source: gsm8k is hf under GSM8K's mapping: a local copy's test split (an evaluation set's
+  records), the final number the answer, the worked steps the response."""
+  import datasets
+
   from reasoner.rewards import builtin as rewards
 
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
   row = {"question": "Tom has 3 bags of 4 apples and eats 2. How many are left?",
          "answer": "He has 3*4=<<3*4=12>>12 apples.\nHe eats 2, so 12-2=<<12-2=10>>10 are left.\n"
                    "#### 10"}
-  r = sources.gsm8k_record(row)
-  assert r["answer"] == "10" and r["category"] == "math"
+  (tmp_path / "gsm8k").mkdir()
+  (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps(row) + "\n")
+  s = EvalSet(name="gsm8k", source="gsm8k", path=str(tmp_path / "gsm8k"), num=1)
+  r, = sources.load_eval_set(s, DataConfig(), log=lambda _: None)
+  assert r["question"] == row["question"] and r["answer"] == "10" and r["category"] == "math"
   assert r["response"] == ("<reasoning>He has 3*4=12 apples.\nHe eats 2, so 12-2=10 are left."
                            "</reasoning>\n<answer>10</answer>")
   assert rewards.format_exact([""], [r["response"]]) == [1.0]
+
+
+def test_a_template_writes_a_field_by_a_transform(tmp_path):
+  """{answer:steps} and {answer:final} split a GSM8K-style answer in any source (GSM8K's own
+  mapping is this template); a transform that does not exist is one line at load."""
+  from reasoner.config import ConfigError
+
+  rows = [{"q": "3 bags of 4?", "a": "3*4=<<3*4=12>>12 in all.\n#### 1,212"}, {"q": "x?", "a": "7"}]
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  template = "<reasoning>{a:steps}</reasoning>\n<answer>{a:final}</answer> ({a})"
+  train, _ = sources.load_splits(DataConfig(source="jsonl", path=str(path), num_eval=1,
+                                            question_field="q", answer_field="a",
+                                            response_template=template), log=lambda _: None)
+  assert train == [{"question": "3 bags of 4?", "answer": "1212", "category": None,
+                    "response": f"<reasoning>3*4=12 in all.</reasoning>\n<answer>1212</answer> "
+                                f"({rows[0]['a']})", "chosen": None, "rejected": None,
+                    "rubric": None}]
+  assert sources.GSM8K["response_template"] == (
+      "<reasoning>{answer:steps}</reasoning>\n<answer>{answer:final}</answer>")
+  for bad, shown in (("{a:step}", "{a:step}"), ("{a!r}", "{a!r}"), ("{a:>9}", "{a:>9}")):
+    with pytest.raises(ConfigError, match="^" + re.escape(
+        f"config key 'data.response_template' = '{bad}': expected a template of record fields "
+        "in braces, e.g. '<answer>{solution}</answer>' ({{ and }} for a brace): "
+        f"{shown} is neither a field nor a transform of one ({{a:final}}, {{a:steps}})") + "$"):
+      DataConfig(source="jsonl", path="d.jsonl", response_template=bad)

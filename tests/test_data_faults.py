@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 
 import datasets
 import pytest
 
+from conftest import PROXIES
 from reasoner.config import DataConfig
 from reasoner.data import sources
 from reasoner.engine.metrics import MetricsWriter, truncate_rows
@@ -134,3 +136,61 @@ def test_a_wrong_path_says_what_is_wrong_with_it(tmp_path, monkeypatch):
       "config key 'data.path' = 'folder.csv': a folder, not a csv file (source 'hf' reads a "
       "folder of data files)")):
     load("csv", "folder.csv")
+  (tmp_path / "notes.txt").write_text("What is 1 + 1?\n")
+  with pytest.raises(DataError, match=exactly(  # the kinds named from config.data.FILE_KINDS
+      "config key 'data.path' = 'notes.txt': not a jsonl, json, parquet or csv file, nor a "
+      "folder")):
+    load("hf", "notes.txt")
+
+
+OFFLINE = (*PROXIES, "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+def test_the_hubs_probe_goes_where_datasets_would(monkeypatch):
+  """hub._online connects where datasets' requests would first: the proxy that HTTPS_PROXY
+  (https_proxy, ALL_PROXY) names unless NO_PROXY exempts the Hub, else the Hub (HF_ENDPOINT,
+  as datasets read it); with HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1 it asks nothing. Here a
+  local listening socket stands for whichever answers, a closed port for one that does not."""
+  from reasoner.data import hub
+
+  for k in OFFLINE:
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+  with socket.create_server(("127.0.0.1", 0)) as closed:
+    dead = closed.getsockname()[1]
+  with socket.create_server(("127.0.0.1", 0)) as listening:
+    live = listening.getsockname()[1]
+    online = lambda: hub._online(timeout=2)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"https://127.0.0.1:{live}")
+    assert online()  # a mirror that answers
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"https://127.0.0.1:{dead}")
+    assert not online()
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{live}")
+    assert online()  # the Hub is asked through the proxy, not directly
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"https://127.0.0.1:{live}")
+    monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{dead}")  # host:port alone: http://
+    assert not online()
+    assert hub._the_hub() == f"127.0.0.1 through the proxy 127.0.0.1:{dead}"
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")  # the Hub exempt: asked directly
+    assert online()
+    for k in ("HTTPS_PROXY", "NO_PROXY"):
+      monkeypatch.delenv(k)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"https://127.0.0.1:{dead}")
+    monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{live}")
+    assert online()
+    monkeypatch.delenv("https_proxy")
+    monkeypatch.setenv("ALL_PROXY", f"socks5://127.0.0.1:{live}")
+    assert online()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything answers, and nothing is asked
+    assert not online()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert not online()
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setenv("ALL_PROXY", f"socks5://127.0.0.1:{dead}")
+    with pytest.raises(DataError, match=exactly(
+        f"data.source 'hf' reads 'nobody/sums' from 127.0.0.1 through the proxy "
+        f"127.0.0.1:{dead}, which cannot be reached; point data.path at a local folder or file "
+        "(Dataset.save_to_disk, or jsonl, json, parquet or csv files), or fill the Hugging "
+        "Face cache online and set HF_DATASETS_OFFLINE=1")):
+      load("hf", "nobody/sums")

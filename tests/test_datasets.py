@@ -7,6 +7,7 @@ laid out as `datasets` writes them, Kaggle's a cache laid out as kagglehub write
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 import time
@@ -106,6 +107,59 @@ def test_streaming_reads_only_the_first_records(tmp_path):
     sources.load_splits(DataConfig(source="hf", path=str(tmp_path / "js"), **FIELDS))
 
 
+def test_streaming_a_parquet_folder_stops_at_num_train(tmp_path):
+  """A folder of parquet shards read by datasets as a stream: num_train 5 and num_eval 2 read
+  the first 7 rows and no more (the second shard is not parquet: reading the whole split, or
+  one row further, meets it); with a held-out split, num_train of the one and num_eval of the
+  other; an evaluation set, its first `num`."""
+  folder = tmp_path / "pq"
+  folder.mkdir()
+  datasets.Dataset.from_list(ROWS[:8]).to_parquet(str(folder / "train-00000-of-00002.parquet"))
+  (folder / "train-00001-of-00002.parquet").write_bytes(b"not parquet" * 100)
+  datasets.Dataset.from_list(ROWS[8:]).to_parquet(str(folder / "test-00000-of-00001.parquet"))
+  said = []
+  cfg = DataConfig(source="hf", path=str(folder), streaming=True, num_train=5, num_eval=2,
+                   **FIELDS)
+  assert sources.load_splits(cfg, log=said.append) == (expected(ROWS[:5]), expected(ROWS[5:7]))
+  assert said == [f"data: hf {folder}: 7 read; 5 training, 2 held out"]
+  split = DataConfig(source="hf", path=str(folder), streaming=True, num_train=3, num_eval=2,
+                     eval_split="test", **FIELDS)
+  assert sources.load_splits(split, log=said.append) == (expected(ROWS[:3]),
+                                                         expected(ROWS[8:10]))
+  assert said[-1] == f"data: hf {folder}: 5 read; 3 training, 2 held out"
+  s = EvalSet(name="t", source="hf", path=str(folder), split="test", streaming=True, num=3,
+              **FIELDS)
+  assert sources.load_eval_set(s, DataConfig(), said.append) == expected(ROWS[8:11])
+  assert said[-1] == f"data: evaluation set 't' (hf {folder}): 3 read; 3 evaluated"
+  for whole in (dataclasses.replace(cfg, streaming=False), dataclasses.replace(cfg, num_train=7)):
+    with pytest.raises(DataError, match=rf"^config key 'data.path' = '{re.escape(str(folder))}'"
+                       r", split 'train': not readable \(.+\)$"):
+      sources.load_splits(whole, log=said.append)
+
+
+def test_revision_and_subset_reach_load_dataset(monkeypatch):
+  """A Hub dataset's subset, revision and streaming are load_dataset's name, revision and
+  streaming (here a stand-in at its boundary, offline: no probe), for hf and for gsm8k."""
+  calls = []
+
+  def load_dataset(path, name=None, **kwargs):
+    calls.append((path, name, kwargs, datasets.config.HF_HUB_OFFLINE))
+    rows = [{**r, "question": r["problem"], "answer": r["solution"]} for r in ROWS]
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
+                                 "test": datasets.Dataset.from_list(rows[8:])})
+
+  monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  cfg = DataConfig(source="hf", path="alice/sums", subset="easy", revision="v1.2",
+                   eval_split="test", num_eval=2, **FIELDS)
+  assert sources.load_splits(cfg, log=lambda _: None) == (expected(ROWS[:8]),
+                                                          expected(ROWS[8:10]))
+  sources.load_splits(DataConfig(source="gsm8k", revision="e53f048", streaming=True,
+                                 num_train=3, num_eval=1), log=lambda _: None)
+  assert calls == [("alice/sums", "easy", {"revision": "v1.2", "streaming": False}, True),
+                   ("openai/gsm8k", "main", {"revision": "e53f048", "streaming": True}, True)]
+
+
 def test_a_template_writes_the_hand_in_format(tmp_path):
   """response_template writes SFT's target from the fields; a record without one it names is
   dropped and counted (data.overlong: drop) or one line (error)."""
@@ -182,7 +236,9 @@ def test_gsm8k_is_hf_with_its_mapping(tmp_path):
   said = []
   train, held = sources.load_splits(DataConfig(source="gsm8k", path=str(copy), num_eval=2),
                                     log=said.append)
-  assert train == [{**sources.gsm8k_record(row(i)), "chosen": None, "rejected": None,
+  assert train == [{"question": row(i)["question"], "answer": str(2 * i), "category": "math",
+                    "response": f"<reasoning>{i} bags of 2 is {i}*2={2 * i}.</reasoning>\n"
+                                f"<answer>{2 * i}</answer>", "chosen": None, "rejected": None,
                     "rubric": None} for i in range(5)]
   assert train[3]["answer"] == "6" and train[3]["response"] == (
       "<reasoning>3 bags of 2 is 3*2=6.</reasoning>\n<answer>6</answer>")
@@ -197,8 +253,8 @@ def test_gsm8k_is_hf_with_its_mapping(tmp_path):
 def test_a_hub_dataset_offline_is_one_line_in_seconds(monkeypatch):
   """HF_DATASETS_OFFLINE=1 (set after datasets was imported, as a notebook sets it) and a
   dataset not in the cache; or no network and no offline mode: one line, at once."""
-  ways_out = ("point data.path at a local folder or file (Dataset.save_to_disk, or parquet, "
-              "json, jsonl or csv files), or fill the Hugging Face cache online and set "
+  ways_out = ("point data.path at a local folder or file (Dataset.save_to_disk, or jsonl, "
+              "json, parquet or csv files), or fill the Hugging Face cache online and set "
               "HF_DATASETS_OFFLINE=1")
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   t = time.perf_counter()

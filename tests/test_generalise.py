@@ -61,6 +61,8 @@ def test_bad_held_out_configs_name_their_key():
     tiny_config("eval.sets=[{name: t, source: arithmetic, held_out_by: template}]")
   with pytest.raises(ConfigError, match="eval.retention_se"):
     tiny_config("eval.retention_se=0")
+  with pytest.raises(ConfigError, match=r"eval.sets\[t\].max_new_tokens"):
+    tiny_config("eval.sets=[{name: t, source: arithmetic, max_new_tokens: 0}]")
 
 
 def test_paired_change_equals_its_dense_computation():
@@ -97,7 +99,8 @@ def test_the_retention_set_is_evaluated_before_and_after_and_a_fall_warns(tmp_pa
                          + "\n" for i in range(6)))
   common = (f"train.run_dir={tmp_path}", "train.eval_before=true", "data.held_out_by=template",
             "eval.sets=[{name: in-template, source: arithmetic, held_out_by: record, num: 8}, "
-            f"{{name: kept, source: jsonl, path: '{ret}', retention: true}}]")
+            f"{{name: kept, source: jsonl, path: '{ret}', retention: true, "
+            "max_new_tokens: 2}]")
   loop.train(tiny_config(*common, "train.steps=1"))
   run = tmp_path / "tiny"
   changes = json.loads((run / "eval.json").read_text())["changes"]
@@ -112,6 +115,9 @@ def test_the_retention_set_is_evaluated_before_and_after_and_a_fall_warns(tmp_pa
   tags = {r["tag"] for r in rows}
   assert {"eval-before", "eval-kept-before", "eval-in-template-before", "eval-after",
           "eval-kept-after"} <= tags
+  # a set's own budget (2 tokens: characters, at most) beside eval.max_new_tokens (8)
+  longest = lambda tag: max(len(r["completion"]) for r in rows if r["tag"] == tag)
+  assert longest("eval-kept-before") <= 2 < longest("eval-in-template-before") <= 8
   forced = [{**r, "correct": 1.0} if r["tag"] == "eval-kept-before" else r for r in rows]
   (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forced))
   loop.train(tiny_config(*common, "train.steps=2"))

@@ -330,6 +330,24 @@ def test_credentials_offline_and_cache(monkeypatch, tmp_path):
   assert kaggle.resolve(m) == ("path", tmp_path / "cache/models/google/gemma-3/flax/gemma3-1b-it/3")
 
 
+def test_the_api_probe_goes_through_the_proxy(monkeypatch, tmp_path):
+  """Where a proxy is set (HTTPS_PROXY, or ALL_PROXY), kagglehub's requests connect to it
+  first, so the reachability probe asks it, not api.kaggle.com; NO_PROXY exempts the host."""
+  from reasoner import credentials
+
+  no_kaggle_credentials(monkeypatch, tmp_path)
+  monkeypatch.delenv("KAGGLE_API_ENVIRONMENT", raising=False)
+  assert credentials.api_host() == ("api.kaggle.com", 443)
+  monkeypatch.setenv("HTTPS_PROXY", "http://10.0.0.7:3128")
+  assert credentials.api_host() == ("10.0.0.7", 3128)
+  monkeypatch.setenv("NO_PROXY", "kaggle.com")
+  assert credentials.api_host() == ("api.kaggle.com", 443)
+  monkeypatch.delenv("HTTPS_PROXY")
+  monkeypatch.setenv("ALL_PROXY", "socks5://10.0.0.7")
+  monkeypatch.setenv("NO_PROXY", "example.org")
+  assert credentials.api_host() == ("10.0.0.7", 1080)
+
+
 def test_config_checks_the_kaggle_keys():
   with pytest.raises(ConfigError, match="model.kaggle_handle"):
     ModelConfig(source="kaggle", name="gemma3-1b")

@@ -101,3 +101,49 @@ def test_bad_mixtures_fail_in_one_line():
   with pytest.raises(DataError, match=r"'data.mixture\[g\].path' = 'missing.jsonl': the file "
                      "does not exist"):
     sources.load_splits(tiny_config("data.mixture=[{name: g, path: missing.jsonl}]").data)
+
+
+def test_a_question_held_out_anywhere_leaves_every_sources_training(tmp_path):
+  """A question one source of a mixture holds out leaves the other sources' training too
+  (whitespace aside), a generated source's as well, and one an evaluation set asks leaves
+  every source's: each source's line counts them and names what holds them out."""
+  import json
+
+  from reasoner.data import arithmetic
+
+  def write(name, questions):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions))
+    return path
+
+  drawn = arithmetic.generate(20, 2, 0, "easy", "record")[0][3]["question"]
+  a = write("a", ["q0?", "q1?", "x2?", "q3?", "q4?", "q5?"])  # q4, q5 held out
+  b = write("b", [" q5? ", "x0?", "x1?", "q4?", drawn, "x2?"])  # drawn, x2 held out
+  cfg = tiny_config("data.num_train=20", "data.mixture=[{name: arith, source: arithmetic, "
+                    f"num_eval: 2}}, {{name: a, path: '{a}', num_eval: 2}}, {{name: b, path: "
+                    f"'{b}', num_eval: 2}}]").data
+  said = []
+  train, held = sources.load_splits(cfg, log=said.append,
+                                    evaluated={"ret": [{"question": "q0?", "answer": "1"}]})
+  mine = lambda name: [r["question"] for r in train if r["source"] == name]
+  assert mine("a") == ["q1?", "q3?"] and mine("b") == ["x0?", "x1?"]
+  assert drawn not in mine("arith") and len(mine("arith")) == 19
+  assert [r["question"] for r in held] == [r["question"] for r in held[:2]] + [
+      "q4?", "q5?", drawn, "x2?"]
+  contamination = "held-out questions also in training dropped from training (contamination"
+  assert said == [
+      f"data: 'arith' (arithmetic): 22 generated, 1 {contamination}; held out 1 by "
+      "data.mixture[b]); 19 training, 2 held out",
+      f"data: 'a' (jsonl {a}): 6 read, 2 {contamination}; held out 1 by eval.sets[ret], 1 by "
+      "data.mixture[b]); 2 training, 2 held out",
+      f"data: 'b' (jsonl {b}): 6 read, 2 {contamination}; held out 2 by data.mixture[a]); "
+      "2 training, 2 held out"]
+  # a run reads its evaluation sets first: their questions never train
+  from reasoner.build import check
+
+  ret = write("ret", ["x1?", "x0?", "q3?"])
+  run = tiny_config("data.source=jsonl", f"data.path={b}", "data.num_eval=2",
+                    f"eval.sets=[{{name: ret, source: jsonl, path: '{ret}'}}]")
+  c = check(run)
+  assert [r["question"] for r in c.train] == [" q5? ", "q4?"]
+  assert [r["question"] for r in c.sets["ret"]] == ["x1?", "x0?", "q3?"]

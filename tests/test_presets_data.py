@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 
 import datasets
@@ -176,11 +177,22 @@ def hub_layout(root, name: str) -> str:
   return str(folder)
 
 
+GENERATED = ("arithmetic", "instructions")  # sources written here, with no dataset card
+
+
+def hub_sources(cfg) -> list:
+  """The preset's mixture sources read from a dataset (the generated ones left out)."""
+  return [m for m in cfg.data.mixture if m.source not in GENERATED]
+
+
 def local(cfg, root, layout: str):
   """The preset with each source's path at its local copy (and, for a save_to_disk copy, no
   subset), everything else as the preset has it."""
   mixture = []
   for m in cfg.data.mixture:
+    if m.source in GENERATED:
+      mixture.append(m)
+      continue
     assert m.name in CARDS, f"a source with no card here: {m.name}"
     if layout == "saved":
       mixture.append(dataclasses.replace(m, path=saved(root, m.name), subset=None))
@@ -201,10 +213,11 @@ def test_the_preset_validates_and_names_the_cards_datasets(preset):
       "rar-science": ("hf", "ScaleAI/RaR-Science", None, "train", "val"),
       "tldr": ("hf", "trl-lib/tldr", None, "train", "validation"),
       "writingprompts": ("hf", "euclaise/writingprompts", None, "train", "test"),
-      "mbpp": ("hf", "google-research-datasets/mbpp", "full", "train", "validation")}
+      "mbpp": ("hf", "google-research-datasets/mbpp", "full", "train", "validation"),
+      "instructions": ("instructions", None, None, "train", None)}  # generated: no card
   assert {m.name for m in cfg.data.mixture if m.streaming} == {"tldr", "writingprompts"}
   assert sources.GSM8K["path"] == CARDS["gsm8k"][0] and sources.GSM8K["subset"] == "main"
-  assert all(CARDS[m.name][0] == (m.path or sources.GSM8K["path"]) for m in cfg.data.mixture)
+  assert all(CARDS[m.name][0] == (m.path or sources.GSM8K["path"]) for m in hub_sources(cfg))
 
 
 @pytest.mark.parametrize("layout", ["saved", "hub"])
@@ -220,8 +233,8 @@ def test_each_source_maps_its_cards_fields(preset, layout, tmp_path):
   cfg = local(load_config(ROOT / "configs" / f"{preset}.yaml"), tmp_path, layout)
   said = []
   train, held = sources.load_splits(cfg.data, log=said.append)
-  assert len(said) == len(cfg.data.mixture)
-  for m in cfg.data.mixture:
+  assert len(said) == len(hub_sources(cfg))  # a generated source says nothing unless it drops
+  for m in hub_sources(cfg):
     rows = splits(m.name)
     held_split = "test" if m.name == "gsm8k" else m.eval_split
     assert [r for r in train if r["source"] == m.name] == [
@@ -263,6 +276,8 @@ def test_without_the_network_each_hub_source_is_one_line(preset, tmp_path, monke
   cfg = load_config(ROOT / "configs" / f"{preset}.yaml")
   mixture = list(cfg.data.mixture)
   for k, m in enumerate(mixture):
+    if m.source in GENERATED:
+      continue
     data = dataclasses.replace(cfg.data, mixture=tuple(mixture))
     with pytest.raises(DataError, match=(
         rf"^data\.mixture\[{m.name}\]\.source '{m.source}' reads '{CARDS[m.name][0]}' from "
@@ -272,21 +287,76 @@ def test_without_the_network_each_hub_source_is_one_line(preset, tmp_path, monke
     mixture[k] = dataclasses.replace(m, path=saved(tmp_path, m.name), subset=None)
 
 
-def test_the_rehearsal_draws_offline_data(monkeypatch):
-  """`make rehearse PRESET=gemma3_1b_general` has no network: GSM8K becomes the arithmetic
-  set and the Hub's datasets one source of data/general.jsonl with their weight."""
+def rehearsal():
+  """tools/rehearse.py, as a module."""
   spec = importlib.util.spec_from_file_location("rehearse", ROOT / "tools" / "rehearse.py")
   rehearse = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(rehearse)
+  return rehearse
+
+
+def test_the_rehearsal_draws_offline_data(monkeypatch):
+  """`make rehearse PRESET=gemma3_1b_general` has no network: GSM8K becomes the arithmetic
+  set and the Hub's datasets one source of data/general.jsonl with their weight."""
+  rehearse = rehearsal()
   monkeypatch.chdir(ROOT)  # the rehearsal's paths are the repository's
   path = ROOT / "configs" / "gemma3_1b_general.yaml"
   preset = load_config(path)
   cfg = load_config(path, rehearse.cuts(preset, ROOT / "no-judge-here"))
   assert [(m.name, m.source, m.weight) for m in cfg.data.mixture] == [
-      ("gsm8k", "arithmetic", 1.0),
+      ("gsm8k", "arithmetic", 1.0), ("instructions", "instructions", 1.0),
       ("general", "jsonl", sum(m.weight for m in preset.data.mixture if m.source == "hf"))]
   train, held = sources.load_splits(cfg.data, log=lambda _: None)
   rewards = Rewards(cfg.rewards)
   rewards.check(train, "the training data")
   rewards.check(held, "the held-out data")
   judge_lib.check_records(cfg.judge, train + held, "the data")
+
+
+def test_the_rehearsal_puts_hub_kaggle_and_missing_files_on_local_data(tmp_path, monkeypatch):
+  """A single hf or kaggle source (every dataset key, fields and a template set) becomes the
+  arithmetic set where the rewards score math, else data/general.jsonl, every such key back to
+  its default; in a mixture GSM8K (streamed, at a revision) becomes the arithmetic set, the Hub's
+  and Kaggle's datasets and a file not here one source of data/general.jsonl with their weight,
+  and a file here stays as it is. Each rewritten preset validates and loads offline."""
+  rehearse = rehearsal()
+  monkeypatch.chdir(ROOT)
+  tiny = ROOT / "configs" / "tiny.yaml"
+  hf = ["data.source=hf", "data.path=alice/sums", "data.subset=easy", "data.split=training",
+        "data.eval_split=test", "data.revision=v2", "data.streaming=true",
+        "data.question_field=problem", "data.response_template='<answer>{solution}</answer>'"]
+  kaggle = ["data.source=kaggle", "data.path=alice/sums", "data.file=sums.csv",
+            "data.answer_field=solution", "data.num_eval=16"]
+  not_math = "rewards=[{fn: format_exact, categories: [creative, summarisation, science, code]}]"
+  for preset, general in ((hf, False), (kaggle, False), ([*kaggle, not_math], True),
+                          (["data.source=csv", "data.path=/kaggle/input/d/sums.csv"], False)):
+    cut = rehearse.offline_data(load_config(tiny, preset))
+    got = load_config(tiny, [*preset, *cut]).data
+    want = ["data.source=jsonl", "data.path=data/general.jsonl", "data.num_eval=4"] if (
+        general) else ["data.num_eval=8"]
+    assert got == load_config(tiny, want).data, preset
+    sources.load_splits(got, log=lambda _: None)
+  here = tmp_path / "here.csv"
+  here.write_text("problem,solution\n" + "".join(f"What is {i} + 1?,{i + 1}\n" for i in range(9)))
+  mixture = [
+      {"name": "gsm8k", "source": "gsm8k", "streaming": True, "revision": "e53f048",
+       "num_eval": 128},
+      {"name": "sums", "source": "hf", "path": "alice/sums", "subset": "easy", "split": "train",
+       "eval_split": "test", "revision": "v2", "streaming": True, "question_field": "problem",
+       "response_template": "<answer>{solution}</answer>", "weight": 0.5},
+      {"name": "kg", "source": "kaggle", "path": "alice/sums", "file": "sums.csv", "weight": 0.25},
+      {"name": "gone", "source": "csv", "path": "/kaggle/input/d/sums.csv", "weight": 0.25},
+      {"name": "here", "source": "csv", "path": str(here), "question_field": "problem",
+       "answer_field": "solution", "weight": 2, "num_eval": 3, "category": "math"},
+      {"name": "general", "path": "data/general.jsonl", "weight": 0.5, "num_eval": 2}]
+  preset = [f"data.mixture={json.dumps(mixture)}"]
+  cut = rehearse.offline_data(load_config(tiny, preset))
+  cfg = load_config(tiny, [*preset, *cut])
+  assert [(m.name, m.source, m.path, m.weight, m.num_eval) for m in cfg.data.mixture] == [
+      ("gsm8k", "arithmetic", None, 1.0, 8), ("here", "csv", str(here), 2.0, 3),
+      ("general", "jsonl", "data/general.jsonl", 0.5, 2),
+      ("rehearsal-general", "jsonl", "data/general.jsonl", 1.0, 4)]
+  assert (cfg.data.mixture[0].streaming, cfg.data.mixture[0].revision) == (False, None)
+  assert cfg.data.mixture[1] == load_config(tiny, preset).data.mixture[4]
+  train, held = sources.load_splits(cfg.data, log=lambda _: None)
+  assert [r["answer"] for r in train if r["source"] == "here"] == [str(i) for i in range(1, 7)]

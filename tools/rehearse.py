@@ -5,9 +5,9 @@ random-weight checkpoint of the real shapes, written in the Kaggle Flax layout (
 sharded, written by orbax shard by shard) with the embedded model's `tokenizer.model`. Lengths
 are cut (steps, G, new tokens, held-out problems, and the first 4 of the decoder layers, read from
 the full checkpoint) and GSM8K is replaced by the generated arithmetic set (it needs the
-network; so do a mixture's Hugging Face and Kaggle sources, which become one source of
-data/general.jsonl, the records' schema by example, with their weight; a mixture keeps its
-other sources, each held-out part cut to 8 at most). A preset with a
+network; so do Hugging Face and Kaggle sources, and files not on this machine: a mixture's
+become one source of data/general.jsonl, the records' schema by example, with their weight, its
+other sources kept, each held-out part cut to 8 at most; `offline_data`). A preset with a
 judge of its own (gemma3_1b_general: a Gemma 3 12B-it on 4 of the 8 chips) gets a random judge
 checkpoint of the judge's real widths and vocabulary, its first 4 layers written and read, on
 its own devices; a random judge cannot pass `judge.check`, so the rehearsal turns the check off
@@ -30,6 +30,7 @@ import tempfile
 import time
 
 from reasoner.config import load_config
+from reasoner.config.data import Fields, Hub
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # XLA:CPU holds float32 copies of the gathered bf16 weights per fake device: the 1B train step
@@ -45,29 +46,60 @@ JUDGE_CUT = ["judge.model.layers=4", "judge.check=false"]
 
 
 def cuts(cfg, judge_dir: pathlib.Path) -> list[str]:
-  """CUT, the data the rehearsal draws (GSM8K -> the arithmetic set, held-out parts cut) and,
-  where the preset has a judge model of its own, the random judge's checkpoint and cuts."""
-  out = list(CUT)
-  if cfg.data.mixture is None:
-    out += ["data.source=arithmetic", "data.num_eval=8"]
-  else:
-    mix, default = [], {f.name: f.default for f in dataclasses.fields(cfg.data.mixture[0])}
-    hub = [m for m in cfg.data.mixture if m.source in ("hf", "kaggle")]
-    for m in cfg.data.mixture:
-      if m in hub:
-        continue
-      d = {k: v for k, v in dataclasses.asdict(m).items() if v != default[k]}
-      d.update(source=m.source, num_eval=min(m.num_eval, 8))
-      if m.source == "gsm8k":
-        d.update(source="arithmetic", category="math")
-      mix.append(d)
-    if hub:  # the Hub's and Kaggle's datasets need the network: the schema's example instead
-      mix.append({"name": "general", "source": "jsonl", "path": "data/general.jsonl",
-                  "weight": sum(m.weight for m in hub), "num_eval": 4})
-    out.append(f"data.mixture={json.dumps(mix)}")
+  """CUT, the data the rehearsal draws (`offline_data`) and, where the preset has a judge model
+  of its own, the random judge's checkpoint and cuts."""
+  out = list(CUT) + offline_data(cfg)
   if own_judge(cfg):
     out += [f"judge.model.path={judge_dir}", *JUDGE_CUT]
   return out
+
+
+def offline_data(cfg) -> list[str]:
+  """Overrides that point the preset's data at what is here. A source on this machine (generated,
+  or a file or folder that exists, relative to the repository) stays; GSM8K becomes the
+  arithmetic set; a Hub or Kaggle dataset, or a file that is not here (/kaggle/input/...),
+  becomes data/general.jsonl (the records' schema by example; a single source that the rewards
+  score as math: the arithmetic set), its dataset's keys (subset, split, eval_split, revision,
+  streaming, file), fields and templates back to their defaults. Held-out parts are cut to 8."""
+  d = cfg.data
+  if d.mixture is None:
+    if here(d):
+      return ["data.num_eval=8"]
+    math = d.source == "gsm8k" or any(r.categories is None or "math" in r.categories
+                                      for r in cfg.rewards)
+    return [*(f"data.{k}={json.dumps(v)}" for k, v in _reset(d).items()),
+            *(["data.source=arithmetic", "data.num_eval=8"] if math else
+              ["data.source=jsonl", "data.path=data/general.jsonl", "data.num_eval=4"])]
+  mix, default = [], {f.name: f.default for f in dataclasses.fields(d.mixture[0])}
+  gone = [m for m in d.mixture if m.source != "gsm8k" and not here(m)]
+  for m in d.mixture:
+    if m.source == "gsm8k":
+      mix.append({"name": m.name, "source": "arithmetic", "weight": m.weight, "category": "math",
+                  "num_eval": min(m.num_eval, 8)})
+    elif m not in gone:
+      mix.append({**{k: v for k, v in dataclasses.asdict(m).items() if v != default[k]},
+                  "name": m.name, "source": m.source, "num_eval": min(m.num_eval, 8)})
+  if gone:  # the Hub's and Kaggle's datasets need the network: the schema's example instead
+    name = "general" if all(m.name != "general" for m in d.mixture) else "rehearsal-general"
+    mix.append({"name": name, "source": "jsonl", "path": "data/general.jsonl",
+                "weight": sum(m.weight for m in gone), "num_eval": 4})
+  return [f"data.mixture={json.dumps(mix)}"]
+
+
+def here(c) -> bool:
+  """Whether data source `c` (data, or a mixture's) reads nothing from the network."""
+  if c.source in ("arithmetic", "instructions"):
+    return True
+  paths = [p for p in (c.path, getattr(c, "eval_path", None)) if p is not None]
+  return c.source not in ("kaggle", "gsm8k") and c.path is not None and all(
+      (ROOT / p).exists() for p in paths)
+
+
+def _reset(c) -> dict:
+  """{key: its default} for each of c's keys that places or maps its dataset's records."""
+  keep = {f.name: f.default for f in (*dataclasses.fields(Fields), *dataclasses.fields(Hub))}
+  return {k: v for k, v in {**keep, "path": None, "eval_path": None}.items()
+          if getattr(c, k) != v}
 
 
 def own_judge(cfg) -> bool:

@@ -12,13 +12,35 @@ from reasoner.config.typed import fail as _fail
 
 Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k"]
 READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k")  # sources of rows, mapped by Fields
+# hf sources under a preset mapping of their own (data/sources.py PRESETS): the Hub id, subset,
+# splits and fields are the preset's, so `path` is optional (a local copy) and `subset`,
+# `split` and `eval_split` are not set
+PRESET_SOURCES = ("gsm8k",)
 _PATHS = {"hf": "a Hugging Face dataset id (OWNER/NAME) or a local folder or file",
           "kaggle": "a Kaggle dataset, OWNER/DATASET or OWNER/DATASET/versions/N"}
 _TEMPLATES = ("response_template", "chosen_template", "rejected_template")
 # the data files read (jsonl, parquet and csv sources, a Kaggle dataset's file, an hf local
 # file or folder), by suffix: each one's kind, as data/files.py reads it
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-SUFFIXES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
+_either = lambda items: ", ".join(items[:-1]) + " or " + items[-1]
+# for messages: ".jsonl, .json, .parquet or .csv" and "jsonl, json, parquet or csv"
+SUFFIXES, KINDS = _either(list(FILE_KINDS)), _either(list(dict.fromkeys(FILE_KINDS.values())))
+
+
+def final_answer(text: str) -> str:
+  """What follows '####' (GSM8K-style answers end '#### 1,234'), commas dropped; else the text."""
+  m = re.search(r"####\s*(.+)\s*$", text)
+  return m.group(1).replace(",", "").strip() if m else text.strip()
+
+
+def worked_steps(text: str) -> str:
+  """What comes before '####', its calculator notes <<3*4=12>> dropped (GSM8K's steps)."""
+  return re.sub(r"<<[^>]*>>", "", text.split("####")[0]).strip()
+
+
+# a template's field transforms, {field:name}: GSM8K's answer "3*4=<<3*4=12>>12.\n#### 12" is
+# {answer:steps} "3*4=12." and {answer:final} "12" (as every record's answer_field is read)
+TRANSFORMS = {"final": final_answer, "steps": worked_steps}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +69,8 @@ class Fields:
   # SFT's target written from a record's fields instead of response_field (str.format_map), e.g.
   # "<reasoning>{thinking}</reasoning>\n<answer>{solution}</answer>" ({{ and }}: a brace); a
   # record without a field it names (or with null) is dropped and counted, or one error line
-  # with data.overlong: error
+  # with data.overlong: error. {field:final} is what follows a GSM8K-style '####', {field:steps}
+  # what comes before it without the <<...>> calculator notes
   response_template: str | None = None
   chosen_template: str | None = None  # the same for a pair's better response (chosen_field)
   rejected_template: str | None = None  # and for its worse one (rejected_field)
@@ -76,20 +99,25 @@ def template_fields(template: str, key: str) -> tuple[str, ...]:
   expected = ("a template of record fields in braces, e.g. '<answer>{solution}</answer>' ({{ "
               "and }} for a brace)")
   try:
-    names = [n for _, n, _, _ in string.Formatter().parse(template) if n is not None]
+    parts = [(n, spec, conv) for _, n, spec, conv in string.Formatter().parse(template)
+             if n is not None]
   except ValueError as e:
     _fail(key, template, f"{expected}: {e}")
-  for n in names:
+  for n, spec, conv in parts:
     if not re.fullmatch(r"[^.\[\]]+", n) or n.isdigit():
       _fail(key, template, f"{expected}: {{{n}}} is not a field name")
-  return tuple(dict.fromkeys(names))
+    if conv is not None or spec not in ("", *TRANSFORMS):
+      shown = n + (f"!{conv}" if conv is not None else "") + (f":{spec}" if spec else "")
+      _fail(key, template, f"{expected}: {{{shown}}} is neither a field nor a transform of one ("
+            + ", ".join(f"{{{n}:{t}}}" for t in TRANSFORMS) + ")")
+  return tuple(dict.fromkeys(n for n, _, _ in parts))
 
 
 def check_source(c, key: str) -> None:
   """A source's path, reading options and templates (`c`: data, a mixture source or an
   evaluation set; `key`: its section, e.g. data.mixture[name])."""
   own = "data.source" if key == "data" else "its source"
-  if c.source in READ and c.source != "gsm8k" and not c.path:
+  if c.source in READ and c.source not in PRESET_SOURCES and not c.path:
     _fail(f"{key}.path", c.path, f"{_PATHS.get(c.source, 'a file path')} when {own} is "
           f"'{c.source}'")
   if c.source == "kaggle":
@@ -99,12 +127,14 @@ def check_source(c, key: str) -> None:
       _fail(f"{key}.file", c.file, f"a {SUFFIXES} file in the Kaggle dataset")
   elif c.file is not None:
     _fail(f"{key}.file", c.file, f"null unless {own} is 'kaggle'")
-  if getattr(c, "eval_path", None) is not None and c.source in ("hf", "kaggle", "gsm8k"):
+  if getattr(c, "eval_path", None) is not None and c.source in ("hf", "kaggle",
+                                                                 *PRESET_SOURCES):
     _fail(f"{key}.eval_path", c.eval_path, "null unless the source is a file (jsonl, parquet, "
           "csv); hf holds out its eval_split or the last num_eval records")
+  hf = ("hf", *PRESET_SOURCES)
   for k, default, allowed in (("subset", None, ("hf",)), ("split", "train", ("hf",)),
-                              ("eval_split", None, ("hf",)), ("revision", None, ("hf", "gsm8k")),
-                              ("streaming", False, ("hf", "gsm8k"))):
+                              ("eval_split", None, ("hf",)), ("revision", None, hf),
+                              ("streaming", False, hf)):
     if getattr(c, k) != default and c.source not in allowed:
       shown = {None: "null", False: "false"}.get(default, repr(default))
       _fail(f"{key}.{k}", getattr(c, k), f"{shown} unless {own} is "
@@ -241,6 +271,9 @@ class EvalSet(Hub, Fields):
   # before and after, the paired change reported with its standard error, and a fall beyond
   # noise (more than eval.retention_se standard errors) ends the run with a warning line
   retention: bool = False
+  # the greedy answer's budget for this set (null: eval.max_new_tokens): a short-answer set
+  # beside long ones decodes no further than its answers need
+  max_new_tokens: int | None = None
 
   def __post_init__(self):
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) or self.name == "held-out":
@@ -250,6 +283,9 @@ class EvalSet(Hub, Fields):
       _fail(f"eval.sets[{self.name}].eval_split", self.eval_split, "null: a set reads its `split`")
     if self.num < 1:
       _fail(f"eval.sets[{self.name}].num", self.num, "a positive integer")
+    if self.max_new_tokens is not None and self.max_new_tokens < 1:
+      _fail(f"eval.sets[{self.name}].max_new_tokens", self.max_new_tokens,
+            "a positive integer, or null for eval.max_new_tokens")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,17 +28,17 @@ import logging
 import os
 import pathlib
 import re
+from urllib.parse import urlsplit
 
 from reasoner import credentials
-from reasoner.config.data import FILE_KINDS
+from reasoner.config.data import FILE_KINDS, KINDS
 from reasoner.data import files
 from reasoner.errors import DataError, first_line
 
 log = logging.getLogger("reasoner")
 
-_WAYS_OUT = ("point {key} at a local folder or file (Dataset.save_to_disk, or parquet, json, "
-             "jsonl or csv files), or fill the Hugging Face cache online and set "
-             "HF_DATASETS_OFFLINE=1")
+_WAYS_OUT = (f"point {{key}} at a local folder or file (Dataset.save_to_disk, or {KINDS} "
+             "files), or fill the Hugging Face cache online and set HF_DATASETS_OFFLINE=1")
 
 
 def hf_rows(c, section: str, limits: dict[str, int | None],
@@ -82,14 +82,14 @@ def _local(path: pathlib.Path, c, section: str):
     return _saved(path, c, section)
   if path.is_file():
     if path.suffix not in FILE_KINDS:
-      raise DataError(f"config key '{section}.path' = '{path}': not a parquet, json, jsonl or "
-                      "csv file, nor a folder")
+      raise DataError(f"config key '{section}.path' = '{path}': not a {KINDS} file, nor a "
+                      "folder")
     return {"train": files.file_rows(str(path), FILE_KINDS[path.suffix], f"{section}.path")}
   try:
     return datasets.load_dataset(str(path), c.subset, streaming=True, **_as_text(path))
   except FileNotFoundError:
     raise DataError(f"config key '{section}.path' = '{path}': neither a save_to_disk folder nor "
-                    "a folder of parquet, json, jsonl or csv files") from None
+                    f"a folder of {KINDS} files") from None
   except ValueError as e:
     raise _subset_error(e, c, section) from None
 
@@ -135,7 +135,7 @@ def _hub(c, section: str, source: str):
   ways_out = _WAYS_OUT.format(key=f"{section}.path")
   with _offline_mode() as offline:
     if not offline and not _online():
-      raise DataError(f"{where} from huggingface.co, which cannot be reached; {ways_out}")
+      raise DataError(f"{where} from {_the_hub()}, which cannot be reached; {ways_out}")
     try:
       return datasets.load_dataset(c.path, c.subset, revision=c.revision, streaming=c.streaming)
     except DatasetNotFoundError as e:
@@ -143,7 +143,7 @@ def _hub(c, section: str, source: str):
                       f"private one needs `hf auth login`); {ways_out}") from None
     except ConnectionError:
       why = ("with HF_DATASETS_OFFLINE=1, but it is not in the Hugging Face cache" if offline
-             else "from huggingface.co, which cannot be reached")
+             else f"from {_the_hub()}, which cannot be reached")
       raise DataError(f"{where} {why}; {ways_out}") from None
     except ValueError as e:
       raise _subset_error(e, c, section) from None
@@ -164,14 +164,35 @@ def _subset_error(e: ValueError, c, section: str) -> DataError:
 
 
 def _online(timeout: float = 3.0) -> bool:
-  """Whether the Hub (HF_ENDPOINT) answers on its port within `timeout` seconds."""
-  from urllib.parse import urlparse
+  """Whether the Hub can be asked: not with HF_DATASETS_OFFLINE or HF_HUB_OFFLINE set; else
+  whether the first hop of datasets' requests accepts a connection within `timeout` seconds:
+  the proxy HTTPS_PROXY (https_proxy, ALL_PROXY) names unless NO_PROXY exempts the Hub, or the
+  Hub itself, HF_ENDPOINT (default huggingface.co) as datasets read it."""
+  import datasets.config
 
-  from huggingface_hub import constants
+  if _offline_env():
+    return False
+  host, port = credentials.first_hop(datasets.config.HF_ENDPOINT)
+  return bool(host) and credentials.reachable(host, port, timeout)
 
-  url = urlparse(constants.ENDPOINT)
-  return credentials.reachable(url.hostname or "huggingface.co",
-                               url.port or (443 if url.scheme == "https" else 80), timeout)
+
+def _the_hub() -> str:
+  """The Hub as datasets reaches it, for messages: huggingface.co (or HF_ENDPOINT's host), and
+  the proxy in between."""
+  import datasets.config
+
+  endpoint = urlsplit(datasets.config.HF_ENDPOINT).hostname or datasets.config.HF_ENDPOINT
+  proxy = credentials.proxy_for(datasets.config.HF_ENDPOINT)
+  return endpoint if proxy is None else f"{endpoint} through the proxy {proxy[0]}:{proxy[1]}"
+
+
+def _offline_env() -> bool:
+  """Whether HF_DATASETS_OFFLINE (else HF_HUB_OFFLINE) is set now, or was when datasets was
+  imported."""
+  import datasets.config
+
+  value = os.environ.get("HF_DATASETS_OFFLINE", os.environ.get("HF_HUB_OFFLINE", ""))
+  return value.upper() in ("1", "ON", "YES", "TRUE") or datasets.config.HF_HUB_OFFLINE
 
 
 @contextlib.contextmanager
@@ -181,8 +202,7 @@ def _offline_mode():
   import datasets.config
   from huggingface_hub import constants
 
-  value = os.environ.get("HF_DATASETS_OFFLINE", os.environ.get("HF_HUB_OFFLINE", ""))
-  offline = value.upper() in ("1", "ON", "YES", "TRUE") or datasets.config.HF_HUB_OFFLINE
+  offline = _offline_env()
   saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
   if offline:
     datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True

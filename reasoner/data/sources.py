@@ -12,12 +12,14 @@ a list (TRL's conversational format), the question taken from its user turn.
 
 Every source of rows maps them to records alike, by the configured field names: jsonl, parquet
 and csv files (read by `files`), a file of a Kaggle dataset and a Hugging Face dataset's
-splits (both fetched by `hub`), and gsm8k, a Hugging Face dataset with a mapping of its own. A
-response (and a pair's texts) may instead be written from a record's fields by a template
-(data.response_template). Each such source is checked as it loads and summed up in one line:
-the records read, those dropped (no question, or a field a template names missing; a question
-already in training, the first kept) and the training records whose question is also held
-out, dropped from training (contamination).
+splits (both fetched by `hub`), and gsm8k, a Hugging Face dataset under a preset mapping
+(PRESETS). A response (and a pair's texts) may instead be written from a record's fields by a
+template (data.response_template), a field as it is or by a transform ({answer:final},
+{answer:steps}: config.data.TRANSFORMS). Each such source is checked as it loads and summed
+up in one line: the records read, those dropped (no question, or a field a template names
+missing; a question already in training, the first kept) and the training records whose
+question is held out, dropped from training (contamination): held out by the source itself,
+by another source of a mixture, or by a named evaluation set.
 """
 
 from __future__ import annotations
@@ -25,30 +27,47 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import re
-from typing import Any
+import string
+from typing import Any, NamedTuple
 
 import grain
 
 from reasoner.config import DataConfig, EvalSet
-from reasoner.config.data import FILE_KINDS, READ, Fields, Hub, template_fields
+from reasoner.config.data import (FILE_KINDS, TRANSFORMS, Fields, Hub, final_answer,
+                                  template_fields)
 from reasoner.errors import DataError
 from reasoner.data import arithmetic, hub, instructions
 from reasoner.data.files import file_rows
 
 _log = logging.getLogger("reasoner")
 _TEXTS = ("response", "chosen", "rejected")  # a record's texts a template may write
-# gsm8k: GSM8K's splits and fields, its worked solutions the responses (gsm8k_record)
+# source: gsm8k is hf with GSM8K's mapping: openai/gsm8k, main, its test split held out (an
+# evaluation set's records) or a local copy at `path` (no subsets); its `answer` (worked steps,
+# then '#### 72') the reference (72, as every answer_field is read) and, by the template's
+# transforms, SFT's target; its records' category. A key the source sets itself is its own.
 GSM8K = dict(path="openai/gsm8k", subset="main", split="train", eval_split="test",
-             question_field="question", answer_field="answer", category_field="category",
-             response_field="response")
+             question_field="question", answer_field="answer",
+             response_template="<reasoning>{answer:steps}</reasoning>\n<answer>{answer:final}"
+                               "</answer>", category="math")
+PRESETS = {"gsm8k": GSM8K}  # config.data.PRESET_SOURCES
 
 
-def _records(rows: list[dict], cfg, where: str, section: str,
-             overlong: str) -> tuple[list[dict], collections.Counter]:
-  """The records of `rows` by cfg's fields and templates, and the rows dropped, by reason: no
-  question (missing, null or blank: str() would train on the text 'None'), or a field a
-  template names missing (or null), as `overlong` says (drop; error: one line)."""
+class _Template(string.Formatter):
+  """str.format_map with the transforms as format specs: {answer:final}."""
+
+  def format_field(self, value, spec: str) -> str:
+    return TRANSFORMS[spec](str(value)) if spec else format(value)
+
+
+_TEMPLATE = _Template()
+
+
+def _records(rows: list[dict], cfg, where: str, section: str, overlong: str,
+             category: str | None = None) -> tuple[list[dict], collections.Counter]:
+  """The records of `rows` by cfg's fields and templates (`category`: theirs where they name
+  none), and the rows dropped, by reason: no question (missing, null or blank: str() would
+  train on the text 'None'), or a field a template names missing (or null), as `overlong` says
+  (drop; error: one line)."""
   rows = [_expanded(row, cfg, f"{where}: record {i}") for i, row in enumerate(rows)]
   templates = _templates(rows, cfg, where, section)
   out, dropped = [], collections.Counter()
@@ -61,9 +80,9 @@ def _records(rows: list[dict], cfg, where: str, section: str,
       gap = next((n for n in names if row.get(n) is None), None)
       if gap is not None:
         break
-      texts[k] = template.format_map(row)
+      texts[k] = _TEMPLATE.vformat(template, (), row)
     if gap is None:
-      out.append(_record(row, cfg, f"{where}: record {i}", section, texts))
+      out.append(_record(row, cfg, f"{where}: record {i}", section, texts, category))
     elif overlong == "error":
       raise DataError(f"{where}: record {i} has no field '{gap}', which {section}.{k}_template "
                       "names (data.overlong: error; 'drop' skips such records)")
@@ -109,13 +128,16 @@ def _templates(rows: list[dict], cfg, where: str, section: str) -> dict[str, tup
   return out
 
 
-def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str]) -> dict:
-  """One record of a row that has a question (`texts`: those its templates wrote)."""
+def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str],
+            default: str | None) -> dict:
+  """One record of a row that has a question (`texts`: those its templates wrote; `default`:
+  its category where it names none)."""
   curriculum = getattr(cfg, "curriculum", None)
   level = curriculum.field if curriculum is not None else None  # a curriculum's field, kept
   answer, category = row.get(cfg.answer_field), row.get(cfg.category_field)
+  category = default if category is None else category
   return {"question": str(row[cfg.question_field]),
-          "answer": None if answer is None else _final_answer(str(answer)),
+          "answer": None if answer is None else final_answer(str(answer)),
           "category": None if category is None else str(category),
           "rubric": rubric(row.get(cfg.rubric_field), where, f"{section}.rubric_field"),
           **{k: texts[k] if k in texts else _text(row, getattr(cfg, f"{k}_field", None))
@@ -174,105 +196,144 @@ def _from_messages(messages, where: str, cfg: DataConfig | EvalSet) -> dict:
   return out
 
 
-def _final_answer(answer: str) -> str:
-  """GSM8K-style answers end with '#### 72': keep the final answer only."""
-  m = re.search(r"####\s*(.+)\s*$", answer)
-  return m.group(1).replace(",", "").strip() if m else answer.strip()
-
-
-def gsm8k_record(row: dict) -> dict:
-  """A GSM8K row as a record; its worked solution (calculator notes <<...>> dropped) becomes
-  the response in the prompts' format, for SFT."""
-  steps = re.sub(r"<<[^>]*>>", "", row["answer"].split("####")[0]).strip()
-  final = _final_answer(row["answer"])
-  return {"question": row["question"], "answer": final, "category": "math",
-          "response": f"<reasoning>{steps}</reasoning>\n<answer>{final}</answer>"}
-
-
-def load_splits(cfg: DataConfig, key: str = "data", log=None) -> tuple[list[dict], list[dict]]:
+def load_splits(cfg: DataConfig, key: str = "data", log=None,
+                evaluated: dict[str, list[dict]] | None = None) -> tuple[list[dict], list[dict]]:
   """(train, held_out) records (`key`: the config section, for messages; `log`: where each
-  source's summary line goes, default the reasoner logger). Fails fast, before any model is
-  loaded."""
+  source's summary line goes, default the reasoner logger; `evaluated`: the named evaluation
+  sets' records, whose questions leave training). Fails fast, before any model is loaded."""
   log = log or _log.info
+  elsewhere = {_norm(r): f"eval.sets[{name}]" for name, rs in (evaluated or {}).items()
+               for r in rs}
   if cfg.mixture is not None:
-    return _mixture(cfg, log)
-  if cfg.source == "arithmetic":
-    return arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty,
-                               cfg.held_out_by)
-  if cfg.source == "instructions":
-    return instructions.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.held_out_by)
-  return _row_splits(cfg, key, cfg.num_eval, None, log)
+    return _mixture(cfg, log, elsewhere)
+  return _checked(_part(cfg, key, cfg.num_eval, None), elsewhere, log)
 
 
-def _row_splits(cfg: DataConfig, section: str, n_eval: int, name: str | None,
-                log) -> tuple[list[dict], list[dict]]:
-  """(train, held_out) of a source of rows (`n_eval` held out; `name`: its mixture name): the
-  held-out split, or else the last records, then the training records checked."""
-  c, label, (rows, where), held_rows = _fetch(cfg, section, cfg.num_train, n_eval)
-  train, dropped = _records(rows, c, where, section, cfg.overlong)
-  if held_rows is None:
+class _Part(NamedTuple):
+  """A source's records before the checks across sources: its line's label and count (`read`:
+  "13 read", "72 generated"), its training and held-out records, and those dropped, by reason
+  (None: generated, its questions distinct and its held-out split apart by construction)."""
+
+  label: str
+  read: str
+  train: list[dict]
+  held: list[dict]
+  dropped: collections.Counter | None
+
+
+def _part(cfg: DataConfig, section: str, n_eval: int, name: str | None) -> _Part:
+  """A source's records (`n_eval` held out; `name`: its mixture name): generated, or rows read
+  and mapped, their held-out split's or else their last records held out."""
+  label = lambda what: what if name is None else f"'{name}' ({what})"
+  if cfg.source in ("arithmetic", "instructions"):
+    train, held = (arithmetic.generate(cfg.num_train, cfg.num_eval, cfg.seed, cfg.difficulty,
+                                       cfg.held_out_by) if cfg.source == "arithmetic" else
+                   instructions.generate(cfg.num_train, cfg.num_eval, cfg.seed,
+                                         cfg.held_out_by))
+    return _Part(label(cfg.source), f"{len(train) + len(held)} generated", train,
+                 held[:n_eval], None)
+  got = _fetch(cfg, section, cfg.num_train, n_eval)
+  train, dropped = _records(got.rows, got.c, got.where, section, cfg.overlong, got.category)
+  if got.held is None:
     if n_eval and len(train) < 2:
-      raise DataError(f"{where}: {len(train)} record(s); need at least 2 to hold one out")
+      raise DataError(f"{got.where}: {len(train)} record(s); need at least 2 to hold one out")
     n = min(n_eval, len(train) // 2)
     train, held = (train[:-n], train[-n:]) if n else (train, [])
   else:
-    held, more = _records(held_rows[0], c, held_rows[1], section, cfg.overlong)
+    (rows, where), c = got.held, got.c
+    held, more = _records(rows, c, where, section, cfg.overlong, got.category)
     held, dropped = held[:n_eval], dropped + more
-  train, contaminated = _hygiene(train, held, dropped)
-  label = label if name is None else f"'{name}' ({label})"
-  read = len(rows) + (0 if held_rows is None else len(held_rows[0]))
-  line = _summary(label, read, dropped, contaminated)
+  read = len(got.rows) + (0 if got.held is None else len(got.held[0]))
+  return _Part(label(got.label), f"{read} read", train, held, dropped)
+
+
+def _checked(p: _Part, elsewhere: dict[str, str], log) -> tuple[list[dict], list[dict]]:
+  """p's (train, held out), its training records less repeats of a question and any question
+  held out (by p, or `elsewhere`: {question: the key of what holds it out}); its line logged
+  (a generated source's only where some left training)."""
+  train, contaminated = _hygiene(p.train, p.held, elsewhere, p.dropped)
+  if p.dropped is None and not contaminated:
+    return train, p.held
+  line = _summary(p.label, p.read, p.dropped or collections.Counter(), contaminated)
   if not train:
     raise DataError(f"{line}: no training records are left")
-  log(f"{line}; {len(train)} training, {len(held)} held out")
-  return train, held
+  log(f"{line}; {len(train)} training, {len(p.held)} held out")
+  return train, p.held
 
 
-def _fetch(c, section: str, n_train: int, n_held: int):
-  """(c as its rows are mapped, its label, (its rows, where they are), (its held-out rows,
-  where) or None (then the last rows are held out)): a file's rows, a Kaggle file's, or a
-  Hugging Face dataset's splits (a stream's first n_train + n_held, or n_train and n_held of a
-  held-out split)."""
-  named = c.source
-  if named == "gsm8k":
-    c = dataclasses.replace(c, **{**GSM8K, "source": "hf", "path": c.path or GSM8K["path"],
-                                  "subset": None if c.path else GSM8K["subset"],
-                                  **({"split": "test", "eval_split": None}
-                                     if isinstance(c, EvalSet) else {})})
+class _Fetched(NamedTuple):
+  """A source of rows as read: `c` as its rows are mapped, its label, its rows and where they
+  are, its held-out rows and where (None: its last records are held out), and its records'
+  category where they name none (a preset's)."""
+
+  c: Any
+  label: str
+  rows: list[dict]
+  where: str
+  held: tuple[list[dict], str] | None
+  category: str | None = None
+
+
+def _fetch(c, section: str, n_train: int, n_held: int) -> _Fetched:
+  """A file's rows, a Kaggle file's, or a Hugging Face dataset's splits (a stream's first
+  n_train + n_held, or n_train and n_held of a held-out split), a preset's (gsm8k) as hf's
+  under its mapping."""
+  named, category = c.source, None
+  if named in PRESETS:
+    c, category = _preset(c)
   if c.source == "kaggle":
     path = hub.kaggle_file(c, section)
     rows = file_rows(str(path), FILE_KINDS[path.suffix], f"{section}.file")
-    return c, f"kaggle {c.path} {c.file}", (rows, str(path)), None
+    return _Fetched(c, f"kaggle {c.path} {c.file}", rows, str(path), None)
   if c.source != "hf":
     eval_path = getattr(c, "eval_path", None)
     held = (file_rows(eval_path, c.source, f"{section}.eval_path"), eval_path) if (
         eval_path and n_held) else None
-    return c, f"{named} {c.path}", (file_rows(c.path, c.source, f"{section}.path"), c.path), held
+    return _Fetched(c, f"{named} {c.path}", file_rows(c.path, c.source, f"{section}.path"),
+                    c.path, held)
   held_split = c.eval_split if n_held else None
   limits = {c.split: (n_train + (0 if held_split else n_held)) if c.streaming else None}
   if held_split:
     limits[held_split] = n_held if c.streaming else None
   splits = hub.hf_rows(c, section, limits, named)
-  if named == "gsm8k":  # its worked solutions: the responses
-    splits = {k: [{**r, **gsm8k_record(r)} if isinstance(r.get("answer"), str) else r
-                   for r in v] for k, v in splits.items()}
   held = (splits[held_split], f"{c.path} ({held_split})") if held_split else None
-  return c, f"{named} {c.path}", (splits[c.split], f"{c.path} ({c.split})"), held
+  return _Fetched(c, f"{named} {c.path}", splits[c.split], f"{c.path} ({c.split})", held,
+                  category)
 
 
-def _hygiene(train: list[dict], held: list[dict],
-             dropped: collections.Counter) -> tuple[list[dict], int]:
-  """The training records less repeats of a question (the first kept; counted in `dropped`)
-  and those whose question is held out (their count returned). Questions compare with their
-  whitespace collapsed."""
-  norm = lambda r: " ".join(r["question"].split())
-  held_out, seen, out, contaminated = {norm(r) for r in held}, set(), [], 0
+def _preset(c) -> tuple[Any, str | None]:
+  """(c as an hf source under its preset's mapping, its records' category): the preset's
+  dataset, or a local copy at c.path (no subsets); its training and held-out splits, or an
+  evaluation set's held-out split; its fields and templates where c leaves them unset."""
+  preset = dict(PRESETS[c.source])
+  category = preset.pop("category", None)
+  unset = {f.name: f.default for f in dataclasses.fields(Fields)}
+  mapping = {k: v for k, v in preset.items() if k in unset and getattr(c, k) == unset[k]}
+  splits = ({"split": preset["eval_split"], "eval_split": None} if isinstance(c, EvalSet) else
+            {"split": preset["split"], "eval_split": preset["eval_split"]})
+  return dataclasses.replace(c, source="hf", path=c.path or preset["path"],
+                             subset=None if c.path else preset["subset"], **splits,
+                             **mapping), category
+
+
+def _norm(r: dict) -> str:
+  """A record's question, compared with its whitespace collapsed."""
+  return " ".join(r["question"].split())
+
+
+def _hygiene(train: list[dict], held: list[dict], elsewhere: dict[str, str],
+             dropped: collections.Counter | None) -> tuple[list[dict], collections.Counter]:
+  """The training records less repeats of a question (the first kept; counted in `dropped`;
+  None: not looked for) and those whose question is held out, by `held` or `elsewhere`
+  ({question: who}); the latter counted by who holds them out (None: `held`)."""
+  held_out = {**elsewhere, **{_norm(r): None for r in held}}
+  seen, out, contaminated = set(), [], collections.Counter()
   for r in train:
-    q = norm(r)
-    if q in seen:
+    q = _norm(r)
+    if dropped is not None and q in seen:
       dropped["duplicate question"] += 1
     elif q in held_out:
-      contaminated += 1
+      contaminated[held_out[q]] += 1
     else:
       out.append(r)
     seen.add(q)
@@ -283,37 +344,43 @@ def _reasons(dropped: collections.Counter) -> str:
   return ", ".join(f"{n} {why}" for why, n in dropped.items())
 
 
-def _summary(label: str, read: int, dropped: collections.Counter, contaminated: int = 0) -> str:
-  """A source's line: read, dropped and why, and held-out questions dropped from training."""
-  parts = [f"{read} read"]
+def _summary(label: str, read: str, dropped: collections.Counter,
+             contaminated: collections.Counter | None = None) -> str:
+  """A source's line: read, dropped and why, and held-out questions dropped from training, by
+  what holds them out where it is not the source itself."""
+  parts = [read]
   if dropped:
     parts.append(f"{sum(dropped.values())} dropped ({_reasons(dropped)})")
   if contaminated:
-    parts.append(f"{contaminated} held-out questions also in training dropped from training "
-                 "(contamination)")
+    theirs = [f"{n} by {who}" for who, n in contaminated.items() if who is not None]
+    parts.append(f"{sum(contaminated.values())} held-out questions also in training dropped "
+                 "from training (contamination" + (
+                     f"; held out {', '.join(theirs)}" if theirs else "") + ")")
   return f"data: {label}: " + ", ".join(parts)
 
 
-def _mixture(cfg: DataConfig, log) -> tuple[list[dict], list[dict]]:
+def _mixture(cfg: DataConfig, log, elsewhere: dict[str, str]) -> tuple[list[dict], list[dict]]:
   """Each source's (train, held-out) split, its records tagged with its name (`source`) and,
-  where they name none, its category; the held-out records of all sources together."""
-  train, held_out = [], []
+  where they name none, its category; the held-out records of all sources together. A question
+  one source holds out leaves every source's training."""
+  parts = []
   for m in cfg.mixture:
     options = {f.name: getattr(m, f.name) for f in (*dataclasses.fields(Fields),
                                                     *dataclasses.fields(Hub))}
     one = dataclasses.replace(cfg, mixture=None, source=m.source, path=m.path,
                               eval_path=m.eval_path, num_eval=max(m.num_eval, 1),
                               difficulty=m.difficulty, **options)
-    key = f"data.mixture[{m.name}]"
-    if m.source in READ:  # num_eval 0: nothing held out, every record trains
-      t, h = _row_splits(one, key, m.num_eval, m.name, log)
-    else:
-      t, h = load_splits(one, key)
+    parts.append(_part(one, f"data.mixture[{m.name}]", m.num_eval, m.name))
+  train, held_out = [], []
+  for m, p in zip(cfg.mixture, parts):
+    theirs = {_norm(r): f"data.mixture[{o.name}]" for o, q in zip(cfg.mixture, parts)
+              if o is not m for r in q.held}
+    t, h = _checked(p, {**elsewhere, **theirs}, log)
     tag = lambda rs: [{**r, "source": m.name, "category": r.get("category") or m.category}
                       for r in rs]
     if not t:
       raise DataError(f"config key 'data.mixture[{m.name}]': no training records")
-    train, held_out = train + tag(t), held_out + tag(h[:m.num_eval])
+    train, held_out = train + tag(t), held_out + tag(h)
   return train, held_out
 
 
@@ -343,10 +410,10 @@ def load_eval_set(s: EvalSet, data: DataConfig, log=None) -> list[dict]:
     return arithmetic.held_out(data.num_train, s.num, data.seed, s.difficulty, data.held_out_by,
                                s.held_out_by or data.held_out_by)[1]
   section = f"eval.sets[{s.name}]"
-  c, label, (rows, where), _ = _fetch(s, section, s.num, 0)
-  records, dropped = _records(rows, c, where, section, data.overlong)
-  (log or _log.info)(f"{_summary(f'evaluation set {s.name!r} ({label})', len(rows), dropped)}; "
-                     f"{min(len(records), s.num)} evaluated")
+  got = _fetch(s, section, s.num, 0)
+  records, dropped = _records(got.rows, got.c, got.where, section, data.overlong, got.category)
+  line = _summary(f"evaluation set {s.name!r} ({got.label})", f"{len(got.rows)} read", dropped)
+  (log or _log.info)(f"{line}; {min(len(records), s.num)} evaluated")
   return records[:s.num]
 
 
