@@ -70,7 +70,7 @@ def counter(m: ModelConfig) -> Counter:
     why = f"{missing}: the embedded Gemma 3 270M's, the vocabulary every Gemma 3 shares"
   start = time.perf_counter()
   tokenizer = load.embedded_tokenizer()
-  return Counter(f"{why} (read from the GGUF in {time.perf_counter() - start:.1f} s)", tokenizer)
+  return Counter(f"{why} (read in {time.perf_counter() - start:.1f} s)", tokenizer)
 
 
 def _kaggle_tokenizer(m: ModelConfig) -> pathlib.Path | None:

@@ -44,6 +44,35 @@ def test_tokenizer_ids(ckpt):
   assert tok.decode(tok.encode(text)) == text
 
 
+def test_the_tokenizer_is_kept_beside_the_gguf(ckpt, tmp_path, monkeypatch):
+  """The first read rebuilds the tokenizer from the GGUF and keeps its ModelProto beside the
+  file; the next reads it without opening the GGUF; a damaged copy is rebuilt and replaced."""
+  from reasoner.models import gguf
+
+  real = gguf.embedded_gguf_path()
+  (tmp_path / real.name).symlink_to(real)  # the same size and time, kept copies land here
+  monkeypatch.setattr(gguf, "embedded_gguf_path", lambda: tmp_path / real.name)
+  opened, tok = [], ckpt.tokenizer()
+
+  class Opened:  # the GGUF, counted: the module's one read stands in for reopening it
+    def __init__(self, path):
+      opened.append(path)
+
+    tokenizer = staticmethod(lambda: tok)
+
+  monkeypatch.setattr(gguf, "GGUFCheckpoint", Opened)
+  text = "Question: What is 12 + 7?\n<answer>19</answer>"
+  assert gguf.embedded_tokenizer().encode(text) == tok.encode(text) and len(opened) == 1
+  kept, = tmp_path.glob("*.tokenizer.model")
+  assert kept.read_bytes() == tok.model_proto and not list(tmp_path.glob("*.part"))
+  again = gguf.embedded_tokenizer()
+  assert len(opened) == 1 and again.encode(text) == tok.encode(text)
+  assert (again.vocab_size, again.end_of_turn_id) == (262144, 106)
+  kept.write_bytes(b"not a model")
+  assert gguf.embedded_tokenizer().encode(text) == tok.encode(text) and len(opened) == 2
+  assert kept.read_bytes() == tok.model_proto
+
+
 def test_logits_match_transformers(ckpt):
   mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:1])
   model = gemma.from_host(gemma.model_spec(ModelConfig()), mesh, ckpt.reader())

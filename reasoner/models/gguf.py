@@ -27,6 +27,29 @@ def embedded_gguf_path() -> pathlib.Path:
   return pathlib.Path(pkg.assemble(output_path=CACHE_DIR / pkg.MODEL_NAME))
 
 
+def embedded_tokenizer() -> SentencePieceTokenizer:
+  """The embedded GGUF's tokenizer. Its first read rebuilds it from the file's vocabulary
+  (opening the GGUF takes 13 s or more); the ModelProto is then kept beside the file, named by
+  the file's size and time, and later reads take a fraction of a second. A kept copy that will
+  not load, or a folder that cannot be written, costs only the rebuild."""
+  path = embedded_gguf_path()
+  st = path.stat()
+  kept = path.with_name(f"{path.stem}.{st.st_size}.{st.st_mtime_ns}.tokenizer.model")
+  if kept.is_file():
+    try:
+      return SentencePieceTokenizer.from_file(str(kept))
+    except Exception:  # a damaged copy: rebuilt and replaced below
+      pass
+  tokenizer = GGUFCheckpoint(path).tokenizer()
+  part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
+  try:
+    part.write_bytes(tokenizer.model_proto)
+    os.replace(part, kept)  # whole or absent, whoever reads it
+  except OSError:
+    part.unlink(missing_ok=True)
+  return tokenizer
+
+
 class GGUFCheckpoint:
   """A GGUF Gemma 3 file: architecture fields, tokenizer and per-parameter readers."""
 

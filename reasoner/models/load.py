@@ -65,12 +65,13 @@ def _kaggle(m: ModelConfig, mesh: jax.sharding.Mesh):
 
 @functools.cache
 def embedded() -> tuple[gguf.GGUFCheckpoint, object]:
-  """The embedded GGUF and its tokenizer, read once a process: parsing the file's vocabulary
-  (262,144 tokens) takes about 15 s, and a planner's search asked for it once a plan (11 times
-  for the gemma3_1b preset's micro-batch search)."""
-  ckpt = gguf.GGUFCheckpoint(gguf.embedded_gguf_path())
-  return ckpt, ckpt.tokenizer()
+  """The embedded GGUF and its tokenizer, opened once a process: opening the file takes 13 s or
+  more, and a planner's search asked for the tokenizer once a plan (11 times for the gemma3_1b
+  preset's micro-batch search)."""
+  return gguf.GGUFCheckpoint(gguf.embedded_gguf_path()), embedded_tokenizer()
 
 
+@functools.cache
 def embedded_tokenizer():
-  return embedded()[1]
+  """The embedded tokenizer alone (`reasoner data`, a plan): its kept copy, without the GGUF."""
+  return gguf.embedded_tokenizer()
