@@ -44,8 +44,10 @@ prefer: $(STAMP)
 	  train.run_name=medium_prefer_grpo train.eval_before=false rollout.temperature=1.0 \
 	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 optim.learning_rate=3e-5 $(ARGS)
 
-# A mixture of arithmetic and general prompts (data/general.jsonl), rewards by category, an
-# adaptive curriculum; the held-out mean reward printed by category before and after.
+# A mixture of arithmetic, generated instructions that code checks and general prompts
+# (data/general.jsonl), rewards by category, an adaptive curriculum; held out: instructions in
+# new constraint combinations and new tasks (IFEval's numbers), arithmetic in new wordings and
+# the retention set, each before and after.
 general: $(STAMP)
 	$(PY) -m reasoner train --config configs/embedded_general.yaml $(ARGS)
 

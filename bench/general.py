@@ -1,0 +1,136 @@
+"""Learning beyond arithmetic: `make general`'s run (configs/embedded_general.yaml: arithmetic,
+generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
+arithmetic-only run of the same steps and SFT -> GRPO on the same mixture.
+
+    make bench BENCH=general        (python -m bench general; about 90 minutes on 2 cores)
+
+Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
+included, so its wall time is `make general`'s and its "before" rows (samples.jsonl) are the
+base model's on every set. The other runs train, then evaluate once after, on the same sets:
+- `combination` (128): instructions in constraint combinations never trained on, on training's
+  tasks; `task` (128): tasks never trained on, under training's combinations. Accuracy here is
+  IFEval's prompt-level strict: a prompt counts when its answer follows every constraint;
+- `arithmetic` (256): problems in the wordings held out of training;
+- `retention` (256): data/retention.jsonl, what the base model could already do.
+Changes are paired by question (the standard error of the per-question differences).
+
+Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithmetic alone in
+the mixture: what the mixture costs the arithmetic); `sft_grpo` (SFT on the mixture's arithmetic
+and instructions' written responses, then the preset's GRPO from its LoRA).
+`GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs (default: a temporary folder);
+`GENERAL_ARGS="train.steps=2 ..."` adds overrides to every stage (a quick look, not a figure).
+
+Goals (issue 54): the general run's prompt-level strict accuracy on new combinations up by at
+least 0.10 and 2 standard errors; its arithmetic within 2 standard errors of the arithmetic-only
+run (paired); its retention change within 1 standard error of zero, or positive; `make general`
+at most 25 minutes on 2 cores. SFT -> GRPO against GRPO alone is reported, not a goal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench import common
+
+CONFIG = "configs/embedded_general.yaml"
+SETS = ("combination", "task", "arithmetic", "retention")
+AFTER_ONLY = ["train.eval_before=false", "train.checkpoint_every=1000"]  # evaluated once, after
+ARITHMETIC = "[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}]"
+SFT = ["sft.max_response_tokens=96", "optim.learning_rate=1e-4", "optim.warmup_steps=2",
+       "train.steps=32", "train.batch_size=8", "train.eval_before=false", "eval.sets=[]",
+       "data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 2}, "
+       "{name: instructions, source: instructions, weight: 1, num_eval: 2}]"]
+# each run's stages: (command, overrides); `{prev}` is the stage before's folder
+RUNS = {"general": [("train", [])],
+        "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
+        "sft_grpo": [("sft", SFT), ("train", [*AFTER_ONLY, "lora.init_from={prev}"])]}
+
+
+def run(root: pathlib.Path, name: str) -> float:
+  """Each stage of run `name` as its own `python -m reasoner` process; the wall seconds."""
+  t, prev = time.perf_counter(), None
+  for i, (command, overrides) in enumerate(RUNS[name]):
+    folder = name if i == len(RUNS[name]) - 1 else f"{name}_{command}"
+    subprocess.run([sys.executable, "-m", "reasoner", command, "--config", CONFIG,
+                    f"train.run_dir={root}", f"train.run_name={folder}",
+                    *(o.replace("{prev}", str(prev)) for o in overrides),
+                    *shlex.split(os.environ.get("GENERAL_ARGS", ""))], check=True)
+    prev = root / folder
+  return time.perf_counter() - t
+
+
+def rows(folder: pathlib.Path, tag: str) -> dict[str, list[dict]]:
+  """Each set's evaluation rows logged under `tag` (before, after) in the run's samples."""
+  from reasoner.engine.metrics import read_jsonl
+
+  out = {s: [] for s in SETS}
+  for r in read_jsonl(folder / "samples.jsonl"):
+    for s in SETS:
+      if r["tag"] == f"eval-{s}-{tag}":
+        out[s].append(r)
+  return out
+
+
+def main() -> None:
+  from reasoner.evaluation import paired_change
+
+  root = pathlib.Path(os.environ.get("GENERAL_DIR") or tempfile.mkdtemp(prefix="general-"))
+  names = [n for n in os.environ.get("GENERAL_RUNS", ",".join(RUNS)).split(",") if n]
+  unknown = [n for n in names if n not in RUNS]
+  if unknown:
+    raise SystemExit(f"GENERAL_RUNS: no run {', '.join(unknown)} (runs: {', '.join(RUNS)})")
+  if names[0] != "general" and not (root / "general" / "samples.jsonl").exists():
+    raise SystemExit(f"GENERAL_RUNS: the general run comes first (its evaluation before "
+                     f"training is every run's base); {root} holds none")
+  figures = {"runs": _earlier(root)}
+  for name in names:
+    seconds = run(root, name)
+    base, after = rows(root / "general", "before"), rows(root / name, "after")
+    figures["runs"][name] = {"seconds": seconds, "stages": [" ".join((c, *o))
+                                                            for c, o in RUNS[name]],
+                             **{s: paired_change(base[s], after[s]) for s in SETS}}
+    print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
+  figures["base"] = {s: {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n": len(rs)}
+                     for s, rs in rows(root / "general", "before").items()}
+  if "general" in figures["runs"] and "arithmetic" in figures["runs"]:
+    # the mixture's arithmetic against the arithmetic-only run's, paired by question
+    figures["mixture_vs_arithmetic_only"] = paired_change(
+        rows(root / "arithmetic", "after")["arithmetic"],
+        rows(root / "general", "after")["arithmetic"])
+  _write(figures, root)
+
+
+def _earlier(root: pathlib.Path) -> dict:
+  """The runs of the last results file when they lie in `root` too (the same base): a subset
+  rerun adds to them rather than erasing them."""
+  path = common.RESULTS / "general.json"
+  old = json.loads(path.read_text()) if path.exists() else {}
+  return dict(old["figures"]["runs"]) if old.get("runs") == str(root) else {}
+
+
+def _write(figures: dict, root: pathlib.Path) -> None:
+  runs, goals = figures["runs"], []
+  if "general" in runs:
+    g = runs["general"]
+    c, r = g["combination"], g["retention"]
+    goals += [common.goal("general run: prompt-level strict gain on new combinations",
+                          c["change"], 0.10, at_most=False),
+              common.goal("general run: that gain in standard errors", c["change"] / c["se"],
+                          2.0, at_most=False),
+              common.goal("general run: retention change in standard errors (>= -1)",
+                          r["change"] / r["se"], -1.0, at_most=False),
+              common.goal("make general: minutes on 2 cores", g["seconds"] / 60, 25.0)]
+  if "mixture_vs_arithmetic_only" in figures:
+    m = figures["mixture_vs_arithmetic_only"]
+    goals.append(common.goal("arithmetic: |mixture - arithmetic only| in standard errors",
+                             abs(m["change"]) / m["se"], 2.0))
+  path = common.write("general", figures, {"base": figures.get("base")}, goals, runs=str(root),
+                      config=CONFIG, commands="make general (the general run)")
+  print(f"wrote {path}", flush=True)
