@@ -29,6 +29,7 @@ at most 25 minutes on 2 cores. SFT -> GRPO against GRPO alone is reported, not a
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import shlex
@@ -107,6 +108,13 @@ def main() -> None:
   _write(figures, root)
 
 
+def _in_se(c: dict) -> float:
+  """A paired change in standard errors (a change with no spread at all: infinitely many)."""
+  if c["se"]:
+    return c["change"] / c["se"]
+  return math.copysign(math.inf, c["change"]) if c["change"] else 0.0
+
+
 def _earlier(root: pathlib.Path) -> dict:
   """The runs of the last results file when they lie in `root` too (the same base): a subset
   rerun adds to them rather than erasing them."""
@@ -122,15 +130,15 @@ def _write(figures: dict, root: pathlib.Path) -> None:
     c, r = g["combination"], g["retention"]
     goals += [common.goal("general run: prompt-level strict gain on new combinations",
                           c["change"], 0.10, at_most=False),
-              common.goal("general run: that gain in standard errors", c["change"] / c["se"],
-                          2.0, at_most=False),
+              common.goal("general run: that gain in standard errors", _in_se(c), 2.0,
+                          at_most=False),
               common.goal("general run: retention change in standard errors (>= -1)",
-                          r["change"] / r["se"], -1.0, at_most=False),
+                          _in_se(r), -1.0, at_most=False),
               common.goal("make general: minutes on 2 cores", g["seconds"] / 60, 25.0)]
   if "mixture_vs_arithmetic_only" in figures:
     m = figures["mixture_vs_arithmetic_only"]
     goals.append(common.goal("arithmetic: |mixture - arithmetic only| in standard errors",
-                             abs(m["change"]) / m["se"], 2.0))
+                             abs(_in_se(m)), 2.0))
   path = common.write("general", figures, {"base": figures.get("base")}, goals, runs=str(root),
                       config=CONFIG, commands="make general (the general run)")
   print(f"wrote {path}", flush=True)
