@@ -235,7 +235,10 @@ pairs
 # On the general path: each category's held-out mean reward before and after (the judge's
 # rubric scores for the categories it grades, `correct` for math), and the judge's win rate of
 # the trained model against the model before training, asked in both orders so that the
-# judge's preference for the first or second answer cancels (0.5: no difference).
+# judge's preference for the first or second answer cancels (0.5: no difference). Below them,
+# each set of checkable instructions (the general presets' generated set): the share of prompts
+# whose every instruction was followed, and the share of instructions followed (IFEval's strict
+# figures; the loose ones are in eval.json).
 
 # %%
 nb.by_category(run.results)

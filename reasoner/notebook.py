@@ -153,19 +153,31 @@ def changes(results: dict):
 def by_category(results: dict):
   """Per category (where the held-out records have two or more): the mean reward before and
   after training (the judge's rubric scores where the judge scores the category) and the
-  judge's win rate of the model after against the model before; None where there is none."""
+  judge's win rate of the model after against the model before; then, for each evaluation set
+  whose records carry checkable instructions, IFEval's prompt- and instruction-level strict
+  accuracy before and after. None where there is neither."""
   import pandas as pd
 
-  cats = sorted({k.split("/", 1)[1] for r in results.values() for k in r
-                 if k.startswith("mean_reward/")})
-  if not cats:
-    print("the held-out records have no categories (or one): no table by category")
-    return None
   before, after = results.get("before", {}), results.get("after", {})
-  row = lambda key, win: {"before": before.get(key), "after": after.get(key),
-                          "win rate": after.get(win)}
-  table = {c: row(f"mean_reward/{c}", f"win_rate/{c}") for c in cats}
-  table["all"] = row("mean_reward", "win_rate")
+  cats = sorted({k.split("/", 1)[1] for r in (before, after) for k in r
+                 if k.startswith("mean_reward/")})
+  row = lambda b, a, key, win=None: {"before": b.get(key), "after": a.get(key),
+                                     "win rate": a.get(win) if win else None}
+  table = {c: row(before, after, f"mean_reward/{c}", f"win_rate/{c}") for c in cats}
+  if cats:
+    table["all"] = row(before, after, "mean_reward", "win_rate")
+  sets = {"held-out": (before, after), **{
+      name: (before.get("sets", {}).get(name, {}), r)
+      for name, r in after.get("sets", {}).items()}}
+  for name, (b, a) in sets.items():
+    for level in ("prompt", "instruction"):
+      key = f"ifeval/{level}_level_strict"
+      if key in a or key in b:
+        table[f"{name}: instructions followed ({level}-level, strict)"] = row(b, a, key)
+  if not table:
+    print("the held-out records have no categories (or one) and no checkable instructions: "
+          "no table by category")
+    return None
   return pd.DataFrame(table).T
 
 

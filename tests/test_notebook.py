@@ -48,6 +48,22 @@ def test_by_category_table_reads_the_results_per_category():
   assert nb.by_category({"before": {"mean_reward": 0.4}, "after": {"mean_reward": 0.5}}) is None
 
 
+def test_by_category_table_shows_the_instructions_followed_per_set():
+  """A set whose records carry checkable instructions adds IFEval's strict prompt- and
+  instruction-level rows, before and after, read from that set's own results."""
+  from reasoner import notebook as nb
+
+  ife = lambda p, i: {"ifeval/prompt_level_strict": p, "ifeval/instruction_level_strict": i}
+  results = {"before": {"mean_reward": 0.4, "sets": {"combination": ife(0.17, 0.41),
+                                                     "retention": {"accuracy": 0.3}}},
+             "after": {"mean_reward": 0.5, "sets": {"combination": ife(0.30, 0.55),
+                                                    "retention": {"accuracy": 0.3}}}}
+  t = nb.by_category(results)
+  assert list(t.index) == ["combination: instructions followed (prompt-level, strict)",
+                           "combination: instructions followed (instruction-level, strict)"]
+  assert t.iloc[0].tolist()[:2] == [0.17, 0.30] and t.iloc[1].tolist()[:2] == [0.41, 0.55]
+
+
 @pytest.mark.slow
 def test_notebook_runs_headless_on_the_tiny_config(tmp_path):
   import papermill
