@@ -236,8 +236,9 @@ def test_compiled_plan_of_the_tiny_config_on_this_host():
   assert rollout.flops > 1.2 * rollout.xla_flops  # 32 decode steps, XLA counts one
   # The sampler's KV-cache estimate is printed beside the compiled figure and fits inside it.
   assert 0 < rollout.kv_cache <= rollout.temporaries
+  assert rollout.kv_local == rollout.kv_cache  # the tiny model's 2 layers: sliding-window ones
   text = report_lib.format_report(report)
-  assert "KV cache" in text
+  assert "KV cache" in text and "(global layers 0.0, sliding-window layers" in text
   # each program's collectives grouped by kind, group and size, the longest first
   rows = re.findall(r"all-gather +of 8 chips +([\d.]+) MiB x +(\d+) = +([\d.]+) ms", text)
   assert rows and all(float(ms) > 0 and int(n) > 0 for _, n, ms in rows)

@@ -97,12 +97,13 @@ def test_gemma2_greedy_decode_on_the_repeated_cache(setup):
 
 def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   """`models.decode` (through `hidden_states(..., step=)`, where qwix applies LoRA) against
-  Tunix's decode on the prompt's cache repeated to the G rows: three steps, crossing from the
-  first span of the new-token cache to the second, after a left-padded prefill longer than
-  the tiny model's 16-slot sliding window, so the window and the padding both mask keys."""
+  Tunix's decode on the prompt's cache repeated to the G rows: 20 steps after a left-padded
+  prefill longer than the tiny model's 16-slot sliding window, so the window and the padding
+  both mask keys; the tiny model's layers are sliding-window ones, so their new tokens go to a
+  ring of 16 slots, which wraps after step 15 (the reads cross its spans first)."""
   model = setup.model()
   assert decode.shares_prompt(model) and model.layers[0].attn.sliding_window_size == 16
-  b, g, p, n = 8, 2, 24, 8
+  b, g, p, n, steps = 8, 2, 24, 24, 20
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(3, 200, (b, p)), jnp.int32)
   valid = jnp.asarray(np.arange(p)[None] >= rng.integers(0, 6, (b, 1)))
@@ -116,9 +117,10 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
   ours = decode.Cache(decode.from_prefill(prefill, slots),
                       decode.empty(model.config, b * g, n, jnp.float32, slots))
-  assert decode.spans(n) == (2, 4, 6, 8)
+  assert {k[0].shape[0] for k in ours.new.values()} == {16}  # rings of the window, not 24
+  assert decode.spans(16) == (4, 8, 12, 16)
   kv_mask = rep(jnp.pad(valid, ((0, 0), (0, n))))
-  for step in range(3):
+  for step in range(steps):
     tok = jnp.asarray(rng.integers(3, 200, (b * g, 1)), jnp.int32)
     pos = rep(jnp.sum(valid, -1, keepdims=True)).astype(jnp.int32) + step
     kv_mask = kv_mask.at[:, p + step].set(True)
@@ -126,13 +128,78 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
     h, ours = hidden_states(model, tok, pos, ours, valid, step=jnp.int32(step))
     # float32 attention summed span by span, not in one pass: ~1e-5 apart on values ~1 (the
     # pinned XLA:CPU measures 1.1e-5); a key masked wrongly moves h by ~1e-1
-    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=5e-5)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=5e-5, err_msg=f"step {step}")
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5)
+  newest = [steps - 1 - (steps - 1 - j) % 16 for j in range(16)]  # the token in ring slot j
   for name, c in cache.items():
     for prompt_part, new_part, full in zip(ours.prompt[name], ours.new[name], (c["k"], c["v"])):
       real = np.asarray(valid)  # (a padding slot's keys depend on the cache's length)
       close(np.swapaxes(prompt_part, 0, 1)[real], full[::g, :p][real])  # once, not G times
-      close(np.swapaxes(new_part, 0, 1), full[:, p:])  # unwritten slots zero in both
+      close(np.swapaxes(new_part, 0, 1), full[:, [p + t for t in newest]])
+
+
+def test_a_sliding_window_layer_refuses_a_cache_longer_than_its_window(setup):
+  """The ring's reads assume every slot is in the window: a whole-sequence cache on a local
+  layer would see keys out of it, so it is refused, naming the slots and the window."""
+  model = setup.model()
+  b, p, n = 8, 8, 24  # b: a row for each of the 8 devices
+  valid = jnp.ones((b, p), bool)
+  _, prefill = hidden_states(model, jnp.ones((b, p), jnp.int32), positions_from_mask(valid),
+                             init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
+  slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
+  whole = {k: (jnp.zeros((n, b, 1, model.config.head_dim)),) * 2 for k in prefill}
+  with pytest.raises(ValueError, match="24 slots, more than its window 16"):
+    hidden_states(model, jnp.ones((b, 1), jnp.int32), jnp.full((b, 1), p, jnp.int32),
+                  decode.Cache(decode.from_prefill(prefill, slots), whole), valid,
+                  step=jnp.int32(0))
+
+
+@pytest.fixture(scope="module")
+def six_layers():
+  """The tiny model with six layers: five sliding-window ones (16 slots) and a global one."""
+  return _nonzero_lora("model.tiny_layers=6")
+
+
+@nnx.jit
+def _full_logprobs(model, tokens, valid):
+  """log softmax of the full forward's logits (no cache: Tunix's band mask in the local
+  layers) at every position of left-padded [B, T] sequences."""
+  h, _ = model.hidden_states(tokens, positions_from_mask(valid), None, causal_mask(valid))
+  return jax.nn.log_softmax(heads.logits(h, model.embedding()), axis=-1)
+
+
+# the layouts beyond one device's and 8 devices' training and tp8 layouts repeat them: make soak
+@pytest.mark.parametrize("devices,layout", [
+    (1, "train"), (8, "train"), (8, "tp8"),
+    *(pytest.param(8, x, marks=pytest.mark.extended) for x in ("replicated", "tp2", "tp4"))])
+def test_the_ring_cache_decodes_what_the_full_forward_gives(six_layers, devices, layout):
+  """40 new tokens, two and a half windows: greedy tokens are the full forward's argmax at each
+  position, and greedy and sampled (top-k 32) log-probs are the full forward's, in the layout
+  and on `devices`; the five local layers decode on rings of 16 slots, the global one on 40."""
+  from reasoner.models.cache import new_slots
+
+  s = six_layers
+  assert new_slots(s.spec.tunix_config, 40) == (16,) * 5 + (40,)
+  mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:devices])
+  states = (s.lora, s.base) if devices == 8 else jax.device_put(
+      (s.lora, s.base), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  sampler = Sampler(s.graphdef, states, s.tokenizer, mesh, 64, layout=layout)
+  prompts, g = ["Q: 1 + 2?", "Question: 22?"], 4
+  model = s.model()
+  for cfg in (SamplingConfig(max_new_tokens=40, temperature=0.0),
+              SamplingConfig(max_new_tokens=40, temperature=1.0, top_k=32)):
+    comps, tok, mask = sampler.sample(states, prompts, jax.random.PRNGKey(3), cfg, g)
+    assert comps.mask.all()  # no stop ids: every row decodes all 40
+    seq = np.concatenate([np.repeat(tok, g, 0), comps.tokens], axis=1)
+    valid = np.concatenate([np.repeat(mask, g, 0), comps.mask], axis=1)
+    lp = np.asarray(_full_logprobs(model, jnp.asarray(seq), jnp.asarray(valid)))
+    at = lp[:, tok.shape[1] - 1:-1]  # the logits that chose each new token
+    chosen = np.take_along_axis(at, comps.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(comps.logprobs, chosen, atol=2e-4, err_msg=f"{cfg}")
+    if cfg.temperature == 0:
+      np.testing.assert_array_equal(comps.tokens, at.argmax(-1))
+    else:
+      assert len({tuple(r) for r in comps.tokens[:g]}) > 1  # the draws differ
 
 
 def test_batch_of_one_is_not_truncated(setup):
@@ -261,12 +328,14 @@ def test_prompt_buckets_bound_the_compiles(setup):
 @pytest.mark.parametrize("kv_heads,mesh_shape", [(1, (4, 2)), (2, (4, 2)), (1, (8, 1))])
 def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_shape):
   """Both cache layouts of the sampler, compiled for 8 devices: the per-device bytes XLA plans
-  equal `kv_cache_bytes`, and each live shard holds exactly its block."""
+  equal `kv_cache_bytes`, and each live shard holds exactly its block; in Gemma 3's, the five
+  sliding-window layers (an 8-slot window) hold rings of 8 new slots, the global one all 16."""
   import types
 
-  from reasoner.models.cache import init_cache, kv_cache_bytes, shard_cache
+  from reasoner.models.cache import init_cache, kv_cache_bytes, kv_cache_split, shard_cache
 
-  spec = types.SimpleNamespace(num_layers=3, num_kv_heads=kv_heads, head_dim=16)
+  spec = types.SimpleNamespace(num_layers=6, num_kv_heads=kv_heads, head_dim=16,
+                               sliding_window_size=8)
   mesh = mesh_lib.make_mesh(MeshConfig(fsdp=mesh_shape[0], tp=mesh_shape[1]))
   prompts, g, p, n = 8, 2, 24, 16
   rows, size = prompts * g, p + n
@@ -297,11 +366,15 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(shared))
   assert per_device == expected < kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh,
                                                  shared=False)
-  heads = k.shape[2:]
+  split = kv_cache_split(spec, prompts, g, p, n, jnp.bfloat16, mesh, True, over_rows)
+  in_layers = lambda i: sum(x.addressable_shards[0].data.nbytes
+                            for c in (shared.prompt, shared.new) for x in c[f"layer_{i}"])
+  assert split == (in_layers(5), sum(in_layers(i) for i in range(5)))  # (global, local)
+  heads, rows_here = k.shape[2:], k.shape[0] // (mesh_shape[1] if "tp" in axes else 1)
   assert shared.prompt["layer_0"][0].addressable_shards[0].data.shape == (
       p, prompts // mesh_shape[0]) + heads
-  assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (
-      n, k.shape[0] // (mesh_shape[1] if "tp" in axes else 1)) + heads
+  assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (8, rows_here) + heads
+  assert shared.new["layer_5"][0].addressable_shards[0].data.shape == (n, rows_here) + heads
 
 
 def test_sampler_runs_with_block_and_decoder_remat():

@@ -15,6 +15,13 @@ slab at their slot, behind an optimization barrier so that the update happens on
 Only the filled part of `Cache.new` is read: the step picks (`lax.switch`) the shortest of a
 few static spans (quarters of N) that covers its slot, so on average 5/8 of N slots instead of N.
 
+Rings. A sliding-window layer's new part is a ring of min(N, window) slots
+(`cache.new_slots`): token j goes to slot j mod ring, over the token a window older, which no
+later token sees. Once the ring has wrapped every slot is read and every one is in the window;
+before, the spans above. Softmax does not care in which order the keys lie. So a local layer
+holds and reads at most its window however long the answer (Gemma 3 1B: five layers of six at
+512 slots), and only the global layers grow with N.
+
 Over rows. Where 'tp' cannot split the KV heads (`mesh.attention_over_rows`), attention runs
 on each chip's own rows (`_over_rows`, a shard_map with no collective inside): its cache's
 rows are split over every chip, not copied on each chip of a tp group, and each chip finds its
@@ -27,9 +34,10 @@ the last layer's sum is whole on each chip (an all-reduce) for the head.
 
 The forward is Tunix's `Attention.block` / `DecoderLayer` for one token (norms, rotary
 embedding, masked logits, float32 softmax, output projection, MLP) on the layer's own modules,
-so qwix's LoRA sees every projection; sliding-window layers mask keys more than their window
-behind the newest slot, as Tunix's `create_sliding_window_mask` does. Gemma 2 keeps Tunix's
-decode (`reasoner.sampler.generate`).
+so qwix's LoRA sees every projection; sliding-window layers mask prompt keys more than their
+window behind the newest slot, as Tunix's `create_sliding_window_mask` does (their new keys
+are the ring's). Gemma 2 keeps Tunix's decode (`reasoner.sampler.generate`), a whole-sequence
+cache in every layer.
 """
 
 from __future__ import annotations
@@ -43,13 +51,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from reasoner import mesh as mesh_lib
+from reasoner.models.cache import new_slots
 
 KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
 
 
 class Cache(NamedTuple):
   prompt: dict[str, KV]  # [P, prompts, K, H] per layer: each prompt once, read by its G rows
-  new: dict[str, KV]  # [N, prompts * G, K, H] per layer: slot j = each row's j-th new token
+  new: dict[str, KV]  # [N, prompts * G, K, H] per layer (a ring of the window's slots in a
+  # sliding-window layer): slot j mod ring = each row's j-th new token
 
 
 def shares_prompt(model) -> bool:
@@ -68,10 +78,12 @@ def from_prefill(cache: dict, sharding: NamedSharding) -> dict[str, KV]:
 
 
 def empty(spec_cfg: Any, rows: int, slots: int, dtype, sharding: NamedSharding) -> dict[str, KV]:
-  """Zeroed `Cache.new` for `rows` rows of `slots` new tokens, born in its shards."""
-  shape = (slots, rows, spec_cfg.num_kv_heads, spec_cfg.head_dim)
-  zeros = lambda: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
-  return {f"layer_{i}": (zeros(), zeros()) for i in range(spec_cfg.num_layers)}
+  """Zeroed `Cache.new` for `rows` rows of `slots` new tokens, born in its shards: each
+  sliding-window layer a ring of its window's slots where that is fewer (`new_slots`)."""
+  zeros = lambda n: jax.lax.with_sharding_constraint(
+      jnp.zeros((n, rows, spec_cfg.num_kv_heads, spec_cfg.head_dim), dtype), sharding)
+  return {f"layer_{i}": (zeros(n), zeros(n))
+          for i, n in enumerate(new_slots(spec_cfg, slots))}
 
 
 def spans(n: int, parts: int = 4) -> tuple[int, ...]:
@@ -81,12 +93,17 @@ def spans(n: int, parts: int = 4) -> tuple[int, ...]:
 
 def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
   """q [R, 1, N, H], k, v [R, 1, K, H] of R rows in groups of the prompts of `prompt`
-  ([P, b, K, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step`, and
-  the attention's output [R, 1, N, H]: each row sees its prompt's unmasked slots and its new
-  slots <= step (within `window` of the newest slot in sliding-window layers)."""
+  ([P, b, K, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step` (mod
+  its length: a ring), and the attention's output [R, 1, N, H]: each row sees its prompt's
+  unmasked slots (within `window` of the newest slot in sliding-window layers) and its new
+  tokens <= step, all of a ring's once it has wrapped (a ring is at most the window long)."""
   from tunix.models.gemma3 import model as gemma3_lib
 
-  keys, values = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 0, 1), (step, 0, 0, 0))
+  ring = new[0].shape[0]
+  if window is not None and ring > window:
+    raise ValueError(f"a sliding-window layer's new-token cache has {ring} slots, more than "
+                     f"its window {window}: build it with decode.empty (a ring of the window)")
+  keys, values = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 0, 1), (step % ring, 0, 0, 0))
                   for c, a in zip(new, (k, v)))
   keys, values = jax.lax.optimization_barrier((keys, values))  # one in-place update
   pk, pv = prompt
@@ -104,16 +121,16 @@ def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
   def attend(span: int):
     def f(keys, values):
       ks, vs = (a[:span].reshape(span, b, g, kh, h) for a in (keys, values))
-      j = jnp.arange(span)
-      fresh = (j <= step) if window is None else (j <= step) & (j > step - window)
+      fresh = jnp.arange(span) <= step  # written (a wrapped ring: every slot)
       ln = jnp.where(fresh, jnp.einsum("bgKGH,SbgKH->bgKGS", q, ks), gemma3_lib.K_MASK)
       probs = jax.nn.softmax(jnp.concatenate([lp, ln], axis=-1), axis=-1).astype(vs.dtype)
       return (jnp.einsum("bgKGS,SbKH->bgKGH", probs[..., :p], pv)
               + jnp.einsum("bgKGS,SbgKH->bgKGH", probs[..., p:], vs))
     return f
 
-  lengths = spans(keys.shape[0])
-  pick = jnp.searchsorted(jnp.asarray(lengths), step, side="right")  # shortest span > step
+  lengths = spans(ring)
+  pick = jnp.searchsorted(jnp.asarray(lengths), jnp.minimum(step, ring - 1),
+                          side="right")  # the shortest span past the newest slot
   encoded = jax.lax.switch(pick, [attend(s) for s in lengths], keys, values)
   return (keys, values), encoded.reshape(rows, 1, n, h)
 

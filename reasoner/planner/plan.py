@@ -43,7 +43,7 @@ from reasoner.engine import heads
 from reasoner.engine.layout import decode_layout, weights_placement
 from reasoner.engine.sampler import Sampler, SamplingConfig, on_own_chips
 from reasoner.engine.teacher import Teacher
-from reasoner.models.cache import kv_cache_bytes
+from reasoner.models.cache import kv_cache_split, new_slots
 from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner import libtpu
@@ -68,6 +68,7 @@ class StepPlan:
   note: str = ""
   needed: int = 0  # bytes XLA reported needing when the compile ran out of HBM (a lower bound)
   kv_cache: int = 0  # rollout: the sampler's own estimate of its KV cache (`kv_cache_bytes`)
+  kv_local: int = 0  # of it, the sliding-window layers' (rings of their window in Gemma 3's)
   micro: int = 0  # train: prompts per micro-batch (= prompts: one pass)
   collectives: dict = dataclasses.field(default_factory=dict)  # Collective -> count per step
   token: Cost | None = None  # rollout: one trip of the decode loop (one token for every row)
@@ -231,11 +232,11 @@ def rollout_plan(setup, prompts: int, chip: Chip, layout: str | None = None) -> 
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   args, kwargs = sampler.abstract_inputs((setup.lora, setup.base), prompts, g, scfg)
   out = compile_plan(sampler.generate, args, kwargs, "rollout", prompts, prompts * g, chip)
-  out.kv_cache = kv_cache_bytes(setup.spec.tunix_config, args[1].shape[0],
-                                kwargs["num_generations"], cfg.data.max_prompt_tokens,
-                                cfg.rollout.max_new_tokens, cfg.model.dtype, sampler.mesh,
-                                shared=setup.spec.family == "gemma3",
-                                over_rows=sampler.over_rows)
+  split = kv_cache_split(setup.spec.tunix_config, args[1].shape[0], kwargs["num_generations"],
+                         cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                         cfg.model.dtype, sampler.mesh, shared=setup.spec.family == "gemma3",
+                         over_rows=sampler.over_rows)
+  out.kv_cache, out.kv_local = sum(split), split[1]
   out.layout = sampler.layout
   if sampler.layout != "train":  # the base's copy in the decode layout, held through training
     out.resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -322,7 +323,8 @@ def analytic_plan(cfg: Config, fsdp: int, tp: int, what: str, prompts: int,
     passes = 2 + (cfg.model.remat != "none")  # forward, activation gradients, remat forward
     out.flops = 2 * (passes * layers * per_layer * tokens + 2 * v * d * rows * n / fsdp) / tp
   else:
-    out.temporaries = int(layers * 2 * rows / fsdp * (p + n) * kh * item
+    slots = new_slots(t, n) if spec.family == "gemma3" else (n,) * layers  # Gemma 3: rings
+    out.temporaries = int(2 * rows / fsdp * sum(p + s for s in slots) * kh * item
                           + rows / fsdp * v * 8 + prompts / fsdp * p * (p + n) * t.num_heads * 4)
     out.flops = 2 * (prompts * p * layers * per_layer + rows * n * weights) / chips
   out.bytes = out.arguments * (1 + (what == "rollout") * n)

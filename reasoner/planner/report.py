@@ -24,7 +24,9 @@ def _row(r: StepPlan, chip: Chip) -> str:
   return (f"{head} args {gib(r.arguments)}  temp {gib(r.temporaries)}  out "
           f"{gib(r.outputs - r.aliased)}  total {gib(r.total)} GiB of {chip.hbm / GiB:.0f} "
           f"{'fits' if r.fits else 'DOES NOT FIT'}"
-          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it" if r.kv_cache else "")
+          + (f"; KV cache {r.kv_cache / 2**20:.1f} MiB of it (global layers "
+             f"{(r.kv_cache - r.kv_local) / 2**20:.1f}, sliding-window layers "
+             f"{r.kv_local / 2**20:.1f})" if r.kv_cache else "")
           + f"\n{'':11s}{r.flops / 1e12:.3g} TFLOP, {r.bytes / GiB:.3g} GiB HBM traffic, "
           f"{count:.0f} collectives{token}\n{'':11s}est. {r.seconds(chip) * 1e3:.1f} ms, bound "
           f"by {r.bound(chip)} (HBM {t['HBM'] * 1e3:.1f} ms, interconnect "
