@@ -22,6 +22,7 @@ Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -136,21 +137,39 @@ def placed_alike(a, b, ndim: int) -> bool:
 
 def moved(state: Any, shardings: Any, exact: bool = False) -> Any:
   """`state` placed by `shardings` (a tree of its structure): an array placed so already is
-  itself, never a copy (a whole base in the replicated decode layout); the others are moved in
-  one batched call (the LoRA moves every step: a call an array took 13.6 ms for the embedded
-  270M's 216 arrays on 8 XLA:CPU devices, one call 7.6). `exact`: an array placed only
-  equivalently is moved too, by an identity compiled to the shardings, so that each takes
-  exactly its own: the LoRA's placement by rule, which the planner's abstract build (placed by
-  the rules) must match."""
+  itself, never a copy (a whole base in the replicated decode layout); the others are moved by
+  one identity compiled to their shardings, a program on the chips, where source and target
+  share their devices in one order (the LoRA into the decode layout, every step). Elsewhere
+  (chips of their own) one batched `device_put`, which reshards array by array from the host:
+  the 1B's LoRA (312 arrays) into tp8 took 154 ms of host time a step on 8 XLA:CPU devices, the
+  program's dispatch 54 (`make bench BENCH=host`). `exact`: an array placed only equivalently is
+  moved too, so that each takes exactly its own placement: the LoRA's by rule, which the
+  planner's abstract build (placed by the rules) must match."""
   leaves, tree = jax.tree.flatten(state)
   want = tree.flatten_up_to(shardings)
   move = [i for i, (x, s) in enumerate(zip(leaves, want))
           if (x.sharding != s if exact else not placed_alike(x.sharding, s, x.ndim))]
-  xs, ss = [leaves[i] for i in move], [want[i] for i in move]
-  for i, x in zip(move, jax.jit(lambda t: t, out_shardings=ss)(xs) if exact else
-                  jax.device_put(xs, ss)):
+  if not move:
+    return state
+  xs, ss = [leaves[i] for i in move], tuple(want[i] for i in move)
+  one = exact or _one_order([x.sharding for x in xs] + list(ss))
+  for i, x in zip(move, _identity(ss)(xs) if one else jax.device_put(xs, list(ss))):
     leaves[i] = x
   return tree.unflatten(leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _identity(shardings: tuple) -> Callable:
+  """The program that copies arrays to `shardings` (one compiled per placement and shapes)."""
+  return jax.jit(lambda xs: xs, out_shardings=list(shardings))
+
+
+def _one_order(shardings: list) -> bool:
+  """Whether every sharding is over the same devices in the same order (one program can take
+  arrays from each to each)."""
+  order = lambda s: tuple(s.mesh.devices.flat) if isinstance(s, NamedSharding) else None
+  first = order(shardings[0])
+  return first is not None and all(order(s) == first for s in shardings)
 
 
 def weight_rule(weights: str) -> Callable[[Any, Mesh], Any]:

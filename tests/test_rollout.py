@@ -89,6 +89,39 @@ def test_truncated_completions_can_be_masked(setup):
   assert m["completion_length/min"] <= m["completion_length"] <= m["completion_length/max"] <= 6
 
 
+def test_the_log_prob_forwards_dispatched_before_scoring_equal_those_after(setup):
+  """grpo_step dispatches the reference's (beta > 0) and pi_old's (mu > 1) log-probs as soon as
+  the rollout's tokens reach the host, before they are detokenised and scored: on every token
+  the batch trains they equal those of the batch assembled after scoring, with rows that the
+  batch masks out (a truncated row, a filler group) or without, and the batch carries them.
+  Dynamic sampling, which may reorder the batch, dispatches none early."""
+  from reasoner.engine import rollout as rollout_lib
+  from reasoner.objectives.grpo import batch_from_rollout, early_forwards
+
+  cfg = dataclasses.replace(setup.cfg, grpo=dataclasses.replace(setup.cfg.grpo,
+                                                                num_iterations=2))
+  s = dataclasses.replace(setup, cfg=cfg)
+  trainer = Trainer.for_run(s.graphdef, s.base, cfg)
+  then, early = early_forwards(s, trainer, s.lora)
+  r = rollout_lib.draw(s, Sampler.for_run(s), s.lora, s.train_records[:B],
+                       jax.random.PRNGKey(7), then=then)
+  assert sorted(early) == ["old_logp", "ref_logp"]
+  masked = r.host["completion_mask"].copy()
+  masked[:G] = False  # the first group masked out, as assemble masks a filler group
+  for host in (r.host, {**r.host, "completion_mask": masked}):
+    rr = r._replace(host=host)
+    after = batch_from_rollout(s, trainer, s.lora, rr)
+    batch = batch_from_rollout(s, trainer, s.lora, rr, early=early)
+    mask = np.asarray(after.completion_mask)
+    assert mask.any()
+    for k in ("old_logp", "ref_logp"):
+      assert getattr(batch, k) is early[k]
+      np.testing.assert_array_equal(np.asarray(getattr(batch, k))[mask],
+                                    np.asarray(getattr(after, k))[mask])
+  cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, dynamic_sampling=True))
+  assert early_forwards(dataclasses.replace(s, cfg=cfg), trainer, s.lora)[0] is None
+
+
 def test_overlong_penalty_by_hand():
   lengths = np.array([2, 6, 7, 8, 10])
   p = rewards_lib.overlong(lengths, max_new_tokens=10, buffer=4, penalty=0.5)

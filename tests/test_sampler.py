@@ -459,6 +459,14 @@ def test_decode_layouts_sample_what_the_training_layout_samples(setup, family):
       attn = [x.sharding.spec for p, x in jax.tree_util.tree_flatten_with_path(placed)[0]
               if "'attn'" in str(p) and x.ndim > 1]
       assert attn and all((tuple(s) == ()) == sampler.over_rows for s in attn)
+      if family == "gemma3":  # the LoRA moved ahead (grpo_step, after its train step) decodes
+        sampler.move_ahead(states[0])
+        ahead = sampler.in_layout(states)[0]
+        assert ahead is sampler._ahead[0][1]
+        other = sampler.in_layout((jax.tree.map(jnp.copy, states[0]),))[0]  # moved now
+        assert other is not ahead
+        for a, b in zip(jax.tree.leaves(ahead), jax.tree.leaves(other)):
+          assert a.sharding == b.sharding and (np.asarray(a) == np.asarray(b)).all()
   for layout, (g, d) in out.items():
     np.testing.assert_array_equal(g.tokens, out["train"][0].tokens, err_msg=layout)
     np.testing.assert_array_equal(d.tokens, out["train"][1].tokens, err_msg=layout)

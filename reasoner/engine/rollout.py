@@ -38,13 +38,15 @@ class Groups(NamedTuple):
   reward_seconds: float  # scoring
 
 
-def sample_round(setup, sampler: Sampler, lora, records: list[dict], key: jax.Array) -> Groups:
-  """G completions of each record's prompt (`rollout.*`), scored by the run's rewards."""
+def sample_round(setup, sampler: Sampler, lora, records: list[dict], key: jax.Array,
+                 then: Callable | None = None) -> Groups:
+  """G completions of each record's prompt (`rollout.*`), scored by the run's rewards
+  (`then`: `Sampler.sample`'s, called before they are detokenised and scored)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in records]
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   t0 = time.perf_counter()
-  comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g)
+  comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g, then)
   seconds = time.perf_counter() - t0
   prompts = [p for p in prompts for _ in range(g)]
   answers = [r["answer"] for r in records for _ in range(g)]
@@ -73,11 +75,12 @@ class Rollout(NamedTuple):
 
 
 def draw(setup, sampler: Sampler, lora, records: list[dict], key: jax.Array,
-         more: Callable[[], list[dict]] | None = None) -> Rollout:
+         more: Callable[[], list[dict]] | None = None, then: Callable | None = None) -> Rollout:
   """A round for `records`; with `grpo.dynamic_sampling`, `more()` gives further prompts until
-  the batch is full of informative groups (see the module's docstring)."""
+  the batch is full of informative groups (see the module's docstring). `then`: the first
+  round's `Sampler.sample` hook."""
   cfg, g, b = setup.cfg, setup.cfg.rollout.num_generations, len(records)
-  rounds = [sample_round(setup, sampler, lora, records, key)]
+  rounds = [sample_round(setup, sampler, lora, records, key, then)]
   if cfg.grpo.dynamic_sampling and more is not None:
     while (sum(r.informative.sum() for r in rounds) < b
            and len(rounds) < cfg.grpo.max_sample_batches):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +334,7 @@ class Sampler:
                        f"max_prompt_tokens {max_prompt_tokens}")
     self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
     self._kept: list[tuple[object, object]] = []  # (state, its copy in the decode layout)
+    self._ahead: list[tuple[object, object]] = []  # the LoRA moved ahead (`move_ahead`)
     self._rules: dict = {}  # a state's tree structure -> its decode shardings (the LoRA's)
 
   @classmethod
@@ -368,13 +369,20 @@ class Sampler:
         and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))):
       self._kept.append((state, mesh_lib.moved(state, self._shardings(state))))
 
+  def move_ahead(self, lora) -> None:
+    """Dispatches `lora`'s move into the decode layout now, and keeps the copy for the next
+    `in_layout` of that LoRA: called as soon as the train step that makes it is dispatched, the
+    move's dispatch on the host overlaps that step on the chips."""
+    if self.layout != "train" or self.own:
+      self._ahead = [(lora, self.in_layout((lora,))[0])]
+
   def in_layout(self, states: tuple) -> tuple:
     """`states` as decoding reads them: a kept state's copy, the others moved (the LoRA)."""
     if self.layout == "train" and not self.own:
       return tuple(states)
     out = []
     for s in states:
-      kept = [copy for source, copy in self._kept if source is s]
+      kept = [copy for source, copy in (*self._kept, *self._ahead) if source is s]
       if not kept:
         tree = jax.tree.structure(s)
         rules = self._rules.get(tree) or self._rules.setdefault(tree, self._shardings(s))
@@ -405,11 +413,15 @@ class Sampler:
     return out
 
   def sample(self, states: tuple, prompts: Sequence[str], key: jax.Array, cfg: SamplingConfig,
-             num_generations: int = 1) -> tuple[Completions, np.ndarray, np.ndarray]:
+             num_generations: int = 1, then: Callable | None = None
+             ) -> tuple[Completions, np.ndarray, np.ndarray]:
     """Completions ([len(prompts) * G] rows) and the padded prompt tokens and mask.
 
     `states` are the model's states as split with the sampler's graphdef, e.g. (lora, base):
     the live training parameters, never a copy. Every process passes the same prompts.
+    `then(prompt, prompt_mask, tokens, mask)` is called once the tokens reach the host, before
+    they are detokenised: a program it dispatches runs on the chips while this host detokenises
+    (and its caller scores).
     """
     ids = self.encode_prompts(prompts)
     width = bucket(max(len(s) for s in ids), self.buckets)
@@ -433,6 +445,8 @@ class Sampler:
                          mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
     rows = b * num_generations
     tokens, valid, logps, stopped = (mesh_lib.to_host(x)[:rows] for x in out)
+    if then is not None:
+      then(prompt_toks, prompt_mask, tokens, valid)
     texts = [self.tokenizer.decode(t[m]) for t, m in zip(tokens, valid)]
     return Completions(tokens, valid, logps, texts, stopped), prompt_toks, prompt_mask
 

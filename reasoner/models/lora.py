@@ -69,13 +69,20 @@ def split(model: nnx.Module):
 
 
 def zeros_like(lora_state):
-  """`lora_state` zeroed (the reference: the base weights themselves), placed alike, made on the
-  devices by one cached program. `jnp.zeros_like` of each committed array sent each from the
-  host: 216 transfers, 49 ms a step for the embedded 270M's LoRA on 8 XLA:CPU devices."""
+  """`lora_state` zeroed (the reference: the base weights themselves), placed alike: made on
+  the devices by one program, then kept, so that each step's reference forward reuses it (one
+  LoRA's bytes held for the run). Made afresh each step it cost the 1B's LoRA 89 ms of host time
+  on 8 XLA:CPU devices, most of it rebuilding the tree (`make bench BENCH=host`)."""
   leaves, tree = jax.tree.flatten(lora_state)
   if not all(isinstance(x, jax.Array) for x in leaves):  # abstract (a planner's)
     return jax.tree.map(jnp.zeros_like, lora_state)
-  return tree.unflatten(_zeros(tuple((x.shape, x.dtype, x.sharding) for x in leaves))())
+  key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+  if _zeroed.get("key") != key:  # the last LoRA's alone
+    _zeroed.update(key=key, state=tree.unflatten(_zeros(key[1])()))
+  return _zeroed["state"]
+
+
+_zeroed: dict = {}  # the zeroed LoRA last made, and its key (tree, specs)
 
 
 @functools.cache

@@ -98,8 +98,8 @@ def learn(setup, trainer: grpo.GRPOTrainer, state, drawn: tuple, step: int) -> t
   """One update (mu passes) on a drawn rollout's per-token advantages: (state, metrics)."""
   r, adv, soft, metrics = drawn
   batch = grpo.batch_from_rollout(setup, trainer, state.lora, r, advantages=adv, **soft)
-  state, step_metrics = grpo.passes(setup, trainer, state, batch, step)
-  return state, {**metrics, **{k: float(v) for k, v in step_metrics.items()}}
+  state, pending = grpo.passes(setup, trainer, state, batch)
+  return state, {**metrics, **grpo.settled(pending, step)}
 
 
 def distill_step(setup, sampler, trainer: grpo.GRPOTrainer, state, data, step: int):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -287,12 +287,13 @@ class GRPOTrainer(Trainer):
 
 
 def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout,
-                       advantages: np.ndarray | None = None, **extra: np.ndarray) -> Batch:
+                       advantages: np.ndarray | None = None, early: dict | None = None,
+                       **extra: np.ndarray) -> Batch:
   """The rollout's groups with their advantages (the rewards' group advantages, or per-token
   `advantages` [R, N]: distillation's) and `extra` host arrays (Batch fields: distillation's
-  soft targets), placed on the mesh; pi_old from the trainer's own
-  forward (mu > 1) and the reference's log-probs (beta > 0: the base under the LoRA the run
-  started from, `setup.reference`, or under none)."""
+  soft targets), placed on the mesh, with `forwards`' log-probs: those `early` holds
+  (`early_forwards`', dispatched before the rollout was scored) where the batch is its first
+  round in order, else dispatched now."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
   adv = advantages if advantages is not None else np.asarray(group_advantages(
       jnp.asarray(r.rewards), g, cfg.grpo.scale_rewards,
@@ -300,16 +301,44 @@ def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout
   host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"],
           **extra}
   batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
+  in_order = r.chosen == [(r.rounds[0], i) for i in range(len(r.rounds[0].records))]
+  done = early if early and in_order else forwards(setup, trainer, lora, batch)
+  batch["old_logp"] = done.get("old_logp", batch["old_logp"])
+  batch["ref_logp"] = done.get("ref_logp", jnp.zeros_like(batch["old_logp"]))
+  return Batch(**batch)
+
+
+def forwards(setup, trainer: GRPOTrainer, lora, batch: dict) -> dict:
+  """The log-prob forwards of `batch`'s completions that a step needs, dispatched: pi_old's
+  (mu > 1: `lora`'s) and the reference's (beta > 0: the base under the LoRA the run started
+  from, `setup.reference`, or under none)."""
+  cfg, out = setup.cfg, {}
   fwd = lambda lora: trainer.logprobs(lora, batch["prompt"], batch["prompt_valid"],
                                       batch["completion"], batch["completion_mask"])
   if cfg.grpo.num_iterations > 1:
-    batch["old_logp"] = fwd(lora)
+    out["old_logp"] = fwd(lora)
   if cfg.grpo.beta > 0:
-    ref = setup.reference if setup.reference is not None else lora_lib.zeros_like(lora)
-    batch["ref_logp"] = fwd(ref)
-  else:
-    batch["ref_logp"] = jnp.zeros_like(batch["old_logp"])
-  return Batch(**batch)
+    out["ref_logp"] = fwd(setup.reference if setup.reference is not None
+                          else lora_lib.zeros_like(lora))
+  return out
+
+
+def early_forwards(setup, trainer: GRPOTrainer, lora) -> tuple[Callable | None, dict]:
+  """(`Sampler.sample`'s `then`, the dict it fills): `forwards` dispatched as soon as the first
+  round's tokens reach the host, so that the chips run them while the host detokenises and
+  scores. They need the tokens alone; a row that the batch then masks out (a truncated one, with
+  `grpo.mask_truncated_completions`) gets log-probs that no loss reads. None where there is
+  nothing to run, or with dynamic sampling (which may reorder the batch)."""
+  cfg, out = setup.cfg, {}
+  if cfg.grpo.dynamic_sampling or (cfg.grpo.beta <= 0 and cfg.grpo.num_iterations == 1):
+    return None, out
+
+  def then(prompt, prompt_valid, completion, completion_mask):
+    host = {"prompt": prompt.astype(np.int32), "prompt_valid": prompt_valid,
+            "completion": completion.astype(np.int32), "completion_mask": completion_mask}
+    out.update(forwards(setup, trainer, lora,
+                        {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}))
+  return then, out
 
 
 def rollout(setup, sampler, trainer: GRPOTrainer, lora, records: list[dict], key: jax.Array,
@@ -328,37 +357,53 @@ def draw(setup, sampler, lora, data, step: int, key: jax.Array) -> tuple:
   """Step `step`'s groups: the next batch of `data` (drawn again by dynamic sampling) sampled
   with `lora` and scored: (the rollout, its metrics on the host)."""
   r = rollout_lib.draw(setup, sampler, lora, next(data), key, more=lambda: next(data))
+  return r, drawn_metrics(setup, data, step, r)
+
+
+def drawn_metrics(setup, data, step: int, r: rollout_lib.Rollout) -> dict:
+  """A rollout's metrics, "tokens" and "samples" (a curriculum observes its groups)."""
   g = setup.cfg.rollout.num_generations
-  return r, {**rollout_lib.metrics(r), **rollout_lib.observe(data, step, r.rounds),
-             "tokens": rollout_lib.tokens(r, g), "samples": rollout_lib.samples(r, g)}
+  return {**rollout_lib.metrics(r), **rollout_lib.observe(data, step, r.rounds),
+          "tokens": rollout_lib.tokens(r, g), "samples": rollout_lib.samples(r, g)}
 
 
 def learn(setup, trainer: GRPOTrainer, state, drawn: tuple, step: int) -> tuple:
   """mu optimisation passes on a drawn rollout (`draw`'s), pi_old and the reference by the
   current LoRA: (state, metrics)."""
   r, metrics = drawn
-  batch = batch_from_rollout(setup, trainer, state.lora, r)
-  state, step_metrics = passes(setup, trainer, state, batch, step)
-  return state, {**metrics, **{k: float(v) for k, v in step_metrics.items()}}
+  state, pending = passes(setup, trainer, state, batch_from_rollout(setup, trainer, state.lora, r))
+  return state, {**metrics, **settled(pending, step)}
 
 
 def grpo_step(setup, sampler, trainer: GRPOTrainer, state, data, step: int):
   """Rollout of the next batch of `data` with the live LoRA, then mu optimisation passes on it:
-  (state, metrics)."""
+  (state, metrics). The host's work hides behind the chips where it can: the log-prob forwards
+  run while the rollout is detokenised and scored (`early_forwards`), and the next rollout's
+  LoRA is moved and the rollout's metrics taken while the passes run."""
   t0 = time.perf_counter()
-  drawn = draw(setup, sampler, state.lora, data, step, jax.random.fold_in(state.key, step))
-  state, metrics = learn(setup, trainer, state, drawn, step)
+  then, early = early_forwards(setup, trainer, state.lora)
+  r = rollout_lib.draw(setup, sampler, state.lora, next(data),
+                       jax.random.fold_in(state.key, step), more=lambda: next(data), then=then)
+  state, pending = passes(setup, trainer, state,
+                          batch_from_rollout(setup, trainer, state.lora, r, early=early))
+  sampler.move_ahead(state.lora)  # the next rollout's LoRA, moved after this update
+  metrics = {**drawn_metrics(setup, data, step, r), **settled(pending, step)}
   return state, metrics_lib.timed(metrics, time.perf_counter() - t0)
 
 
-def passes(setup, trainer: GRPOTrainer, state, batch: Batch, step: int) -> tuple:
-  """mu (`grpo.num_iterations`) optimisation passes on one rollout batch: (state, the last
-  pass's metrics on the host), its loss checked finite."""
+def passes(setup, trainer: GRPOTrainer, state, batch: Batch) -> tuple:
+  """mu (`grpo.num_iterations`) optimisation passes on one rollout batch, dispatched: (state,
+  the last pass's metrics, on the chips until `settled`)."""
   for _ in range(setup.cfg.grpo.num_iterations):
     state, metrics = trainer.train_step(state, batch)
+  return state, metrics
+
+
+def settled(metrics: dict, step: int) -> dict:
+  """A step's metrics on the host as floats, its loss checked finite."""
   metrics = jax.device_get(metrics)
   check_finite(float(metrics["loss"]), step)
-  return state, metrics
+  return {k: float(v) for k, v in metrics.items()}
 
 
 def _batches(setup, log=None):
