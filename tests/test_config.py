@@ -61,6 +61,43 @@ def test_missing_file_and_bad_override():
     tiny_config("train.steps")
 
 
+def test_a_preset_extends_another_key_by_key(tmp_path):
+  """`extends`: the keys laid over the named preset's (relative to the preset's own folder),
+  mappings key by key, lists and values whole, over as many levels as are named; the long
+  preset is the 1B preset with its four keys changed."""
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "base.yaml").write_text(
+      "model: {source: random, name: tiny, tokenizer: bytes, dtype: float32}\n"
+      "lora: {rank: 4, alpha: 8.0}\n"
+      "rewards: [{fn: format_exact, weight: 0.2}, {fn: correct, weight: 0.8}]\n"
+      "train: {steps: 4, batch_size: 2, run_name: base}\n")
+  (tmp_path / "sub" / "mid.yaml").write_text("extends: ../base.yaml\nlora: {rank: 8}\n"
+                                            "rewards: [{fn: correct, weight: 1.0}]\n")
+  (tmp_path / "top.yaml").write_text("extends: sub/mid.yaml\ntrain: {run_name: top}\n")
+  top = load_config(tmp_path / "top.yaml")
+  assert (top.lora.rank, top.lora.alpha) == (8, 8.0)  # mid's rank, base's alpha
+  assert [r.fn for r in top.rewards] == ["correct"]  # a list replaced whole
+  assert (top.train.steps, top.train.run_name, top.model.name) == (4, "top", "tiny")
+  assert load_config(tmp_path / "top.yaml", ["lora.rank=2"]).lora.rank == 2  # overrides last
+  long = load_config(ROOT / "configs" / "gemma3_1b_long.yaml")
+  assert long == load_config(ROOT / "configs" / "gemma3_1b.yaml", [
+      "model.remat=block", "rollout.max_new_tokens=4096", "eval.max_new_tokens=4096",
+      "train.run_name=gemma3-1b-gsm8k-long"])
+
+
+def test_a_bad_extends_is_one_line_naming_the_key(tmp_path):
+  (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+  (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+  with pytest.raises(ConfigError, match="config key 'extends' = 'a.yaml' extends itself"):
+    load_config(tmp_path / "a.yaml")
+  (tmp_path / "c.yaml").write_text("extends: nope.yaml\n")
+  with pytest.raises(ConfigError, match=r"nope.yaml' does not exist \(config key 'extends' in"):
+    load_config(tmp_path / "c.yaml")
+  (tmp_path / "d.yaml").write_text("extends: [a.yaml]\n")
+  with pytest.raises(ConfigError, match="config key 'extends' must be a preset's path"):
+    load_config(tmp_path / "d.yaml")
+
+
 def test_prompt_buckets_are_checked_against_the_prompt_limit():
   assert tiny_config("rollout.prompt_buckets=[128,256]").rollout.prompt_buckets == (128, 256)
   with pytest.raises(ConfigError, match=r"'rollout.prompt_buckets' .*strictly increasing"):

@@ -106,20 +106,45 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
   return typed.build(Config, tree, "")
 
 
+def _preset(p: pathlib.Path, seen: tuple[pathlib.Path, ...]) -> dict[str, Any]:
+  """The preset at `p` as a tree, with the presets it extends beneath it (`seen`: those that
+  extend it, a cycle's check)."""
+  if not p.is_file():
+    where = f" (config key 'extends' in '{seen[-1]}')" if seen else ""
+    raise ConfigError(f"config file '{p}' does not exist{where}")
+  try:
+    tree = typed.parse_yaml(p.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+  if not isinstance(tree, dict):
+    raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+  base = tree.pop("extends", None)
+  if base is None:
+    return tree
+  if not isinstance(base, str):
+    raise ConfigError(f"{p}: config key 'extends' must be a preset's path, got {base!r}")
+  under = (p.parent / base).resolve()
+  if under in seen or under == p.resolve():
+    raise ConfigError(f"{p}: config key 'extends' = {base!r} extends itself, through "
+                      f"{' -> '.join(str(s) for s in (*seen, p))}")
+  return _laid_over(_preset(under, (*seen, p.resolve())), tree)
+
+
+def _laid_over(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+  """`top`'s keys over `base`'s: mappings merged key by key, anything else replaced."""
+  out = dict(base)
+  for k, v in top.items():
+    out[k] = (_laid_over(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict)
+              else v)
+  return out
+
+
 def load_config(path: str | pathlib.Path | None, overrides: list[str] | tuple[str, ...] = ()
                 ) -> Config:
-  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides."""
-  tree: dict[str, Any] = {}
-  if path is not None:
-    p = pathlib.Path(path)
-    if not p.is_file():
-      raise ConfigError(f"config file '{p}' does not exist")
-    try:
-      tree = typed.parse_yaml(p.read_text()) or {}
-    except yaml.YAMLError as e:
-      raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-      raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides. A preset
+  may name another in `extends` (a path relative to its own folder): its keys are laid over
+  that preset's, mappings key by key and anything else (a list, a value) whole."""
+  tree = _preset(pathlib.Path(path), ()) if path is not None else {}
   for o in overrides:
     typed.apply_override(tree, o)
   try:
