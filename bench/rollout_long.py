@@ -1,0 +1,189 @@
+"""Long answers on a v5e-8: the gemma3_1b rollout from 768 to 8,192 new tokens, its
+sliding-window layers on a ring of their window against the whole-sequence cache they kept
+before, compiled ahead of time by libtpu (issue 56, item 3).
+
+    make bench BENCH=rollout_long     (needs libtpu: pip install '.[tpu]'; run it alone)
+
+Each length (ROLLOUT_LONG_TOKENS, default 768,1024,2048,4096,8192) at 4 prompts x 8:
+`plan.rollout_plan` (`Sampler.generate` compiled for v5e:2x4 in the layout `auto` picks) gives
+the KV cache a chip (global and sliding-window layers), the planned rollout (the largest of its
+HBM, interconnect and FLOP bounds) and decode tokens a second a chip. The same harness runs with
+BEFORE's code (a git worktree at the commit before the ring, its `reasoner` in a subprocess),
+where every layer kept the whole sequence. At 4,096 tokens, each side's largest batch that fits
+16 GiB a chip (`plan.largest_fitting`, compiled). Beside them, Tunix 0.1.7's `Sampler` at 1,024
+and 4,096 tokens on its fastest mesh of bench/rollout_tpu.py (fsdp 2 x tp 4).
+
+The physical floor of each: per decoded token, each chip reads its share of the weights once
+(as the decode layout places them) and the cache its rows need (the sequence so far in a global
+layer, the window in a sliding-window one), over 819 GB/s; or the FLOPs (2 x parameters a row a
+token, over 197 TFLOP/s a chip), whichever is larger; the prefill adds its FLOPs. It is the
+model's need, the same for both caches, never the program's own bound.
+
+Goals (issue 56): KV at 4k at most 0.35x before's; the 4k rollout of 4 x 8 at most 0.6x
+before's time; the largest batch at 4k at least 2.5x before's; the 768-token rollout at most
+1.15x its physical floor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+sys.path.append(str(pathlib.Path(__file__).parents[1]))  # run by path: `reasoner` from PYTHONPATH
+from bench import common  # noqa: E402
+
+BEFORE = "27b568a"  # the commit before 3bdc983 put the sliding-window layers on a ring
+CONFIG = "configs/gemma3_1b.yaml"
+TOKENS = tuple(int(t) for t in os.environ.get("ROLLOUT_LONG_TOKENS",
+                                              "768,1024,2048,4096,8192").split(","))
+PROMPTS, SEARCH_AT = 4, 4096
+
+
+def measure(tokens: list[int], search: bool) -> dict:
+  """In a subprocess (`reasoner` as PYTHONPATH gives it): each length's plan at 4 x 8, and
+  with `search` the largest batch at SEARCH_AT."""
+  from reasoner.build import build
+  from reasoner.config import load_config
+  from reasoner.planner import plan
+
+  devices, chip, method = plan.target("v5e:2x4")
+  if devices is None:
+    raise SystemExit(f"error: {method}")
+
+  def at(n: int, prompts: int):
+    cfg = load_config(CONFIG, [f"rollout.max_new_tokens={n}", f"train.batch_size={prompts}"])
+    setup = build(cfg, abstract=True, devices=devices, hbm=chip.hbm)
+    return plan.rollout_plan(setup, prompts, chip)
+
+  def row(r) -> dict:
+    return {"fits": r.fits, "GiB/chip": (r.total if r.fits else r.needed) / 2**30,
+            "kv_bytes": r.kv_cache, "kv_local_bytes": getattr(r, "kv_local", 0),
+            "hbm_bytes": r.bytes, "s": r.seconds(chip) if r.fits else None,
+            "bound": r.bound(chip) if r.fits else r.note, "layout": r.layout}
+
+  out = {"lengths": {}}
+  for n in tokens:
+    print(f"  {n} new tokens, {PROMPTS} prompts x 8 ...", flush=True)
+    out["lengths"][n] = row(at(n, PROMPTS))
+  if search:
+    print(f"  the largest batch at {SEARCH_AT} tokens ...", flush=True)
+    seen = plan.largest_fitting(lambda p: at(SEARCH_AT, p), PROMPTS, PROMPTS, chip.hbm,
+                                cap=1024, budget=5)
+    out["search"] = {p: row(r) for p, r in sorted(seen.items())}
+  return out
+
+
+def floor(n: int, devices, chip) -> dict:
+  """The physical floor of the 4 x 8 rollout of `n` new tokens (see the module's docstring)."""
+  import math
+
+  import jax
+  import jax.numpy as jnp
+
+  from reasoner.build import build
+  from reasoner.config import load_config
+  from reasoner.engine.layout import decode_layout
+  from reasoner.engine.sampler import Sampler, SamplingConfig
+  from reasoner.models.cache import kv_cache_split
+
+  cfg = load_config(CONFIG, [f"rollout.max_new_tokens={n}", f"train.batch_size={PROMPTS}"])
+  setup = build(cfg, abstract=True, devices=devices, hbm=chip.hbm)
+  sampler = Sampler.for_run(setup, decode_layout(setup, chip.hbm, chip))
+  g, p = cfg.rollout.num_generations, cfg.data.max_prompt_tokens
+  args, kw = sampler.abstract_inputs((setup.lora, setup.base), PROMPTS, g,
+                                     SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False))
+  leaves = jax.tree.leaves(args[0])
+  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                for x in leaves)
+  params = sum(math.prod(x.shape) for x in leaves)
+  kv = lambda t: sum(kv_cache_split(setup.spec.tunix_config, args[1].shape[0],
+                                    kw["num_generations"], p, t, cfg.model.dtype, sampler.mesh,
+                                    shared=True, over_rows=sampler.over_rows))
+  hbm = (n * weights + sum(kv(t) for t in range(1, n + 1))) / chip.bandwidth
+  rows, chips = PROMPTS * g, len(devices)
+  flops = 2 * params * (rows * n + PROMPTS * p) / (chip.flops * chips)
+  return {"s": max(hbm, flops), "hbm_s": hbm, "flops_s": flops, "weights_bytes": weights}
+
+
+def tunix(n: int, devices, chip) -> dict:
+  """Tunix 0.1.7's `Sampler` at `n` new tokens, 4 x 8, fsdp 2 x tp 4."""
+  from bench.rollout_tpu import tunix_rollout
+  from reasoner.config import load_config
+
+  cfg = load_config(CONFIG, [f"rollout.max_new_tokens={n}", f"train.batch_size={PROMPTS}"])
+  r, total = tunix_rollout(cfg, devices, 2, 4, PROMPTS, chip)
+  return {"fits": r.fits, "GiB/chip": (total if r.fits else r.needed) / 2**30,
+          "s": r.seconds(chip) if r.fits else None, "hbm_bytes": r.bytes}
+
+
+def main() -> None:
+  from reasoner.planner import plan
+
+  root = common.RESULTS.parents[1]
+  devices, chip, method = plan.target("v5e:2x4")
+  if devices is None:
+    raise SystemExit(f"error: {method}")
+  figures = {}
+  with tempfile.TemporaryDirectory(prefix="rollout-long-") as tmp:
+    tree = pathlib.Path(tmp) / "tree"
+    made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), BEFORE], cwd=root,
+                          capture_output=True, text=True)
+    if made.returncode:
+      raise SystemExit(f"bench rollout_long: no worktree at {BEFORE} (it needs the git "
+                       f"history): {made.stderr.strip()}")
+    try:
+      for label, where in (("now", root), ("before", tree)):
+        out = pathlib.Path(tmp) / f"{label}.json"
+        print(f"{label} ({where}):", flush=True)
+        subprocess.run([sys.executable, __file__, str(out)], check=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(where)})
+        figures[label] = json.loads(out.read_text())
+    finally:
+      subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root,
+                     capture_output=True)
+  rows = PROMPTS * 8
+  figures["floor"] = {n: floor(n, devices, chip) for n in TOKENS}
+  for side in ("now", "before"):
+    for n, r in figures[side]["lengths"].items():
+      n = int(n)
+      if r["s"]:
+        r["tokens/s/chip"] = rows * n / r["s"] / len(devices)
+        r["/ floor"] = r["s"] / figures["floor"][n]["s"]
+  figures["tunix"] = {n: tunix(n, devices, chip) for n in (1024, 4096) if n in TOKENS}
+  now, before = figures["now"]["lengths"], figures["before"]["lengths"]
+  largest = {side: max((int(p) for p, r in figures[side].get("search", {}).items()
+                        if r["fits"]), default=0) for side in ("now", "before")}
+  figures["largest_batch_at_4k"] = largest
+  ratio = lambda a, b: a / b if a is not None and b else None
+  k, goals = str(SEARCH_AT), []
+  if k in now:
+    goals += [common.goal("KV bytes a chip at 4k, now / before",
+                          ratio(now[k]["kv_bytes"], before[k]["kv_bytes"]), 0.35),
+              common.goal("4k rollout of 4 x 8, now / before", ratio(now[k]["s"],
+                                                                     before[k]["s"]), 0.6),
+              common.goal("largest batch at 4k, now / before",
+                          ratio(largest["now"], largest["before"]), 2.5, at_most=False)]
+  if "768" in now:
+    goals.append(common.goal("768-token rollout / its physical floor",
+                             now["768"].get("/ floor"), 1.15))
+  table = [{"tokens": n, "side": side, **{c: figures[side]["lengths"][str(n)].get(c) for c in
+            ("GiB/chip", "kv_bytes", "s", "bound", "tokens/s/chip", "/ floor")}}
+           for n in TOKENS for side in ("now", "before")]
+  print(common.table(table))
+  path = common.write("rollout_long", figures, {"before": f"the sampler at {BEFORE}",
+                                                "tunix": "Tunix 0.1.7 Sampler, fsdp 2 x tp 4"},
+                      goals, topology="v5e:2x4", method=method, config=CONFIG)
+  print(f"wrote {path}")
+  for g in goals:
+    value = "none" if g["value"] is None else f"{g['value']:.3g}"
+    print(f"  goal {'MET' if g['met'] else 'NOT MET'}: {g['name']}: {value} "
+          f"(target {g['direction'].replace('_', ' ')} {g['target']})")
+
+
+if __name__ == "__main__":
+  result = measure(list(TOKENS), search=SEARCH_AT in TOKENS)
+  pathlib.Path(sys.argv[1]).write_text(json.dumps(result))
