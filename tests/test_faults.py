@@ -3,6 +3,7 @@ and loses no saved work."""
 
 import errno
 import json
+import logging
 import os
 import pathlib
 import re
@@ -213,23 +214,33 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_whole_checkpoint(tmp_path, m
   writers = []
 
   def failing(self, step, *a, **k):
-    if step == 2:  # a write still in flight lands after the failure and recreates the folder
+    if step == 2:  # a write still in flight lands after the failure and recreates the folder,
+      # and its thread logs what it raised, as orbax's _SignalingThread does
       late = pathlib.Path(self.directory) / "2.orbax-checkpoint-tmp" / "state" / "d"
-      writers.append(threading.Timer(0.3, lambda: (late.mkdir(parents=True),
-                                                   (late / "x").write_text("x"))))
+      writers.append(threading.Timer(0.3, lambda: (
+          late.mkdir(parents=True), (late / "x").write_text("x"),
+          logging.getLogger("absl").error("_SignalingThread.run() raised an exception"))))
       writers[-1].start()
       raise OSError(errno.ENOSPC, "No space left on device")
     return real(self, step, *a, **k)
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+  logged = logging.Handler(logging.ERROR)  # what reaches absl's handlers (stderr)
+  logged.emit = lambda r: shown.append(r.getMessage())
+  shown = []
+  logging.getLogger("absl").addHandler(logged)
   capsys.readouterr()
-  assert cli.main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
-                   f"train.run_dir={tmp_path}", "train.run_name=inj", "train.steps=3",
-                   "train.checkpoint_every=1"]) == 2
+  try:
+    assert cli.main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
+                     f"train.run_dir={tmp_path}", "train.run_name=inj", "train.steps=3",
+                     "train.checkpoint_every=1"]) == 2
+  finally:
+    logging.getLogger("absl").removeHandler(logged)
   folder = tmp_path / "inj" / "checkpoints"
   err = capsys.readouterr().err
   writers[0].join()
   assert _full_disk_line(2, folder, 1).fullmatch(err.strip().splitlines()[-1]), err[-3000:]
+  assert not shown, shown
   assert sorted(c.name for c in folder.iterdir()) == ["1"]
   small = tmp_path / "small"  # an export onto a full disk leaves nothing behind
   if _mount_small_disk(small, "64k"):

@@ -99,15 +99,20 @@ class Checkpointer:
     its partial folder and raises one line naming the space left and the last whole one."""
     try:
       state, items = _items(state, ocp.args.StandardSave)
+      # what orbax's writer threads log of a failed write, some of them while the partial
+      # folder is removed (their writes still in flight), is held and dropped with the error
       with held_back():
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      data=ocp.args.JsonSave(data_state),
-                                                      **items))
-        self._mngr.wait_until_finished()
+        try:
+          self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        data=ocp.args.JsonSave(data_state),
+                                                        **items))
+          self._mngr.wait_until_finished()
+        except Exception:
+          if jax.process_index() == 0:
+            remove_until_gone(self.directory, f"{step}.orbax-checkpoint-tmp*")
+          self._mngr.reload()
+          raise
     except Exception as e:
-      if jax.process_index() == 0:
-        remove_until_gone(self.directory, f"{step}.orbax-checkpoint-tmp*")
-      self._mngr.reload()
       last = max((s for s in self.all_steps() if s != step), default=None)
       raise CheckpointError(f"cannot save checkpoint {step} in {self.directory}: "
                             f"{write_error(e, self.directory)}; the last whole checkpoint is "
