@@ -13,11 +13,11 @@ where every layer kept the whole sequence. At 4,096 tokens, each side's largest 
 16 GiB a chip (`plan.largest_fitting`, compiled). Beside them, Tunix 0.1.7's `Sampler` at 1,024
 and 4,096 tokens on its fastest mesh of bench/rollout_tpu.py (fsdp 2 x tp 4).
 
-The physical floor of each: per decoded token, each chip reads its share of the weights once
-(as the decode layout places them) and the cache its rows need (the sequence so far in a global
-layer, the window in a sliding-window one), over 819 GB/s; or the FLOPs (2 x parameters a row a
-token, over 197 TFLOP/s a chip), whichever is larger; the prefill adds its FLOPs. It is the
-model's need, the same for both caches, never the program's own bound.
+The physical floor of each: per decoded token, the chips read every weight once and the cache
+the rows attend to (the sequence so far in a global layer, the window in a sliding-window one,
+a prompt once for its group), shared evenly, over 819 GB/s a chip; or the FLOPs (2 x
+parameters a row a token, over 197 TFLOP/s a chip), whichever is larger; the prefill adds its
+FLOPs. It is the model's need, the same for both caches, never the program's own bound.
 
 Goals (issue 56): KV at 4k at most 0.35x before's; the 4k rollout of 4 x 8 at most 0.6x
 before's time; the largest batch at 4k at least 2.5x before's; the 768-token rollout at most
@@ -71,14 +71,18 @@ def measure(tokens: list[int], search: bool) -> dict:
     out["lengths"][n] = row(at(n, PROMPTS))
   if search:
     print(f"  the largest batch at {SEARCH_AT} tokens ...", flush=True)
-    seen = plan.largest_fitting(lambda p: at(SEARCH_AT, p), PROMPTS, PROMPTS, chip.hbm,
-                                cap=1024, budget=5)
+    seen = plan.largest_fitting(lambda p: at(SEARCH_AT, p), 16 * PROMPTS, PROMPTS, chip.hbm,
+                                cap=1024, budget=6)
     out["search"] = {p: row(r) for p, r in sorted(seen.items())}
   return out
 
 
 def floor(n: int, devices, chip) -> dict:
-  """The physical floor of the 4 x 8 rollout of `n` new tokens (see the module's docstring)."""
+  """The physical floor of the 4 x 8 rollout of `n` new tokens: each decode step reads every
+  weight (base and LoRA) once and the keys and values each row attends to (its prompt's once
+  for the group, a sliding-window layer only its window), the whole shared evenly by the chips,
+  over their HBM bandwidth; or the FLOPs, if more. A layout that reads more (a weight whole on
+  every chip) is above it."""
   import math
 
   import jax
@@ -86,25 +90,22 @@ def floor(n: int, devices, chip) -> dict:
 
   from reasoner.build import build
   from reasoner.config import load_config
-  from reasoner.engine.layout import decode_layout
-  from reasoner.engine.sampler import Sampler, SamplingConfig
-  from reasoner.models.cache import kv_cache_split
+  from reasoner.models.cache import windows
 
   cfg = load_config(CONFIG, [f"rollout.max_new_tokens={n}", f"train.batch_size={PROMPTS}"])
   setup = build(cfg, abstract=True, devices=devices, hbm=chip.hbm)
-  sampler = Sampler.for_run(setup, decode_layout(setup, chip.hbm, chip))
-  g, p = cfg.rollout.num_generations, cfg.data.max_prompt_tokens
-  args, kw = sampler.abstract_inputs((setup.lora, setup.base), PROMPTS, g,
-                                     SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False))
-  leaves = jax.tree.leaves(args[0])
-  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-                for x in leaves)
+  t_cfg, p = setup.spec.tunix_config, cfg.data.max_prompt_tokens
+  leaves = jax.tree.leaves((setup.lora, setup.base))
+  weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
   params = sum(math.prod(x.shape) for x in leaves)
-  kv = lambda t: sum(kv_cache_split(setup.spec.tunix_config, args[1].shape[0],
-                                    kw["num_generations"], p, t, cfg.model.dtype, sampler.mesh,
-                                    shared=True, over_rows=sampler.over_rows))
-  hbm = (n * weights + sum(kv(t) for t in range(1, n + 1))) / chip.bandwidth
-  rows, chips = PROMPTS * g, len(devices)
+  slot = 2 * t_cfg.num_kv_heads * t_cfg.head_dim * jnp.dtype(cfg.model.dtype).itemsize
+  rows, chips = PROMPTS * cfg.rollout.num_generations, len(devices)
+
+  def kv(t: int) -> int:  # bytes attended at decode step t (t new tokens so far)
+    seen = lambda w, k: k if w is None else min(k, w)
+    return sum(slot * (PROMPTS * seen(w, p) + rows * seen(w, t)) for w in windows(t_cfg))
+
+  hbm = (n * weights + sum(kv(t) for t in range(1, n + 1))) / (chips * chip.bandwidth)
   flops = 2 * params * (rows * n + PROMPTS * p) / (chip.flops * chips)
   return {"s": max(hbm, flops), "hbm_s": hbm, "flops_s": flops, "weights_bytes": weights}
 
