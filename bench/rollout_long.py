@@ -3,6 +3,7 @@ sliding-window layers on a ring of their window against the whole-sequence cache
 before, compiled ahead of time by libtpu (issue 56, item 3).
 
     make bench BENCH=rollout_long     (needs libtpu: pip install '.[tpu]'; run it alone)
+    ROLLOUT_LONG_TOKENS=768,4096 ROLLOUT_LONG_SEARCH=0 ...   (fewer lengths, no batch search)
 
 Each length (ROLLOUT_LONG_TOKENS, default 768,1024,2048,4096,8192) at 4 prompts x 8:
 `plan.rollout_plan` (`Sampler.generate` compiled for v5e:2x4 in the layout `auto` picks) gives
@@ -41,6 +42,7 @@ CONFIG = "configs/gemma3_1b.yaml"
 TOKENS = tuple(int(t) for t in os.environ.get("ROLLOUT_LONG_TOKENS",
                                               "768,1024,2048,4096,8192").split(","))
 PROMPTS, SEARCH_AT = 4, 4096
+SEARCH = os.environ.get("ROLLOUT_LONG_SEARCH", "1") != "0"  # the largest batch (many compiles)
 
 
 def measure(tokens: list[int], search: bool) -> dict:
@@ -186,5 +188,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  result = measure(list(TOKENS), search=SEARCH_AT in TOKENS)
+  result = measure(list(TOKENS), search=SEARCH and SEARCH_AT in TOKENS)
   pathlib.Path(sys.argv[1]).write_text(json.dumps(result))
