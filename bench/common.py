@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import subprocess
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -75,3 +78,22 @@ def _fmt(v: Any) -> str:
   if isinstance(v, float):
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
   return str(v)
+
+
+@contextlib.contextmanager
+def worktree(commit: str, bench: str):
+  """(a temporary folder, a git worktree of `commit` inside it): the code a benchmark compares
+  against, run from its own `reasoner` (PYTHONPATH); removed afterwards."""
+  root = RESULTS.parents[1]
+  with tempfile.TemporaryDirectory(prefix=f"{bench}-") as tmp:
+    tree = pathlib.Path(tmp) / "tree"
+    made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=root,
+                          capture_output=True, text=True)
+    if made.returncode:
+      raise SystemExit(f"bench {bench}: no worktree at {commit} (it needs the git history): "
+                       f"{made.stderr.strip()}")
+    try:
+      yield pathlib.Path(tmp), tree
+    finally:
+      subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root,
+                     capture_output=True)

@@ -37,7 +37,6 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.append(str(pathlib.Path(__file__).parents[1]))  # run by path: `reasoner` from PYTHONPATH
@@ -195,29 +194,19 @@ def main() -> None:
   root = common.RESULTS.parents[1]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
          + " --xla_force_host_platform_device_count=8"}
-  with tempfile.TemporaryDirectory(prefix="host-base-") as tmp:
-    base = pathlib.Path(tmp) / "tree"
-    made = subprocess.run(["git", "worktree", "add", "--detach", str(base), BASE], cwd=root,
-                          capture_output=True, text=True)
-    if made.returncode:
-      raise SystemExit(f"bench host: no worktree at {BASE} (it needs the git history): "
-                       f"{made.stderr.strip()}")
-    try:
-      figures, goals = {}, []
-      for case in CASES:
-        plan = planned(case)
-        figures[case] = {"planned_s": plan, "step_planned_ms": 1e3 * sum(plan.values())}
-        for label, tree in (("now", root), ("before", base)):
-          out = pathlib.Path(tmp) / f"{case}-{label}.json"
-          subprocess.run([sys.executable, __file__, case, json.dumps(plan), str(out)], check=True,
-                         env={**env, "PYTHONPATH": str(tree)}, cwd=root)
-          figures[case][label] = json.loads(out.read_text())
-          print(case, label, json.dumps(figures[case][label]), flush=True)
-        share = figures[case]["now"]["not_hidden_ms"] / figures[case]["step_planned_ms"]
-        goals.append(common.goal(f"{case}: host time not hidden / planned step, now", share, 0.10))
-    finally:
-      subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=root,
-                     capture_output=True)
+  with common.worktree(BASE, "host") as (tmp, base):
+    figures, goals = {}, []
+    for case in CASES:
+      plan = planned(case)
+      figures[case] = {"planned_s": plan, "step_planned_ms": 1e3 * sum(plan.values())}
+      for label, tree in (("now", root), ("before", base)):
+        out = tmp / f"{case}-{label}.json"
+        subprocess.run([sys.executable, __file__, case, json.dumps(plan), str(out)], check=True,
+                       env={**env, "PYTHONPATH": str(tree)}, cwd=root)
+        figures[case][label] = json.loads(out.read_text())
+        print(case, label, json.dumps(figures[case][label]), flush=True)
+      share = figures[case]["now"]["not_hidden_ms"] / figures[case]["step_planned_ms"]
+      goals.append(common.goal(f"{case}: host time not hidden / planned step, now", share, 0.10))
   rows = [{"case": c, "code": label, **{k: f[label][k] for k in ("step_ms", "not_hidden_ms")}}
           for c, f in figures.items() for label in ("now", "before")]
   path = common.write("host", figures, {"before": f"the same step at {BASE}"}, goals,

@@ -32,7 +32,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 sys.path.append(str(pathlib.Path(__file__).parents[1]))  # run by path: `reasoner` from PYTHONPATH
 from bench import common  # noqa: E402
@@ -131,23 +130,13 @@ def main() -> None:
   if devices is None:
     raise SystemExit(f"error: {method}")
   figures = {}
-  with tempfile.TemporaryDirectory(prefix="rollout-long-") as tmp:
-    tree = pathlib.Path(tmp) / "tree"
-    made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), BEFORE], cwd=root,
-                          capture_output=True, text=True)
-    if made.returncode:
-      raise SystemExit(f"bench rollout_long: no worktree at {BEFORE} (it needs the git "
-                       f"history): {made.stderr.strip()}")
-    try:
-      for label, where in (("now", root), ("before", tree)):
-        out = pathlib.Path(tmp) / f"{label}.json"
-        print(f"{label} ({where}):", flush=True)
-        subprocess.run([sys.executable, __file__, str(out)], check=True, cwd=root,
-                       env={**os.environ, "PYTHONPATH": str(where)})
-        figures[label] = json.loads(out.read_text())
-    finally:
-      subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root,
-                     capture_output=True)
+  with common.worktree(BEFORE, "rollout_long") as (tmp, tree):
+    for label, where in (("now", root), ("before", tree)):
+      out = tmp / f"{label}.json"
+      print(f"{label} ({where}):", flush=True)
+      subprocess.run([sys.executable, __file__, str(out)], check=True, cwd=root,
+                     env={**os.environ, "PYTHONPATH": str(where)})
+      figures[label] = json.loads(out.read_text())
   rows = PROMPTS * 8
   figures["floor"] = {n: floor(n, devices, chip) for n in TOKENS}
   for side in ("now", "before"):
