@@ -301,8 +301,8 @@ def batch_from_rollout(setup, trainer: GRPOTrainer, lora, r: rollout_lib.Rollout
   host = {**r.host, "advantages": adv.astype(np.float32), "old_logp": r.host["sampler_logp"],
           **extra}
   batch = {k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()}
-  in_order = r.chosen == [(r.rounds[0], i) for i in range(len(r.rounds[0].records))]
-  done = early if early and in_order else forwards(setup, trainer, lora, batch)
+  in_order = lambda: all(g is r.rounds[0] and j == i for i, (g, j) in enumerate(r.chosen))
+  done = early if early and in_order() else forwards(setup, trainer, lora, batch)
   batch["old_logp"] = done.get("old_logp", batch["old_logp"])
   batch["ref_logp"] = done.get("ref_logp", jnp.zeros_like(batch["old_logp"]))
   return Batch(**batch)
