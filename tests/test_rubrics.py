@@ -147,6 +147,37 @@ def test_pairwise_preference_is_a_dense_forward_in_both_orders_and_symmetric(set
   assert not np.allclose(got, 0.5)
 
 
+def test_pairwise_reads_the_shared_question_once_and_equals_each_order_read_whole(setup):
+  """The two orders share the prompt before the first response: it is read once, each order's
+  rest against its cache (`Judge.passes`), equal to each order's per-row forward of the same
+  token ids. A prompt that opens with a response shares nothing: it is read whole."""
+  import dataclasses
+
+  judge = setup.rewards.fns[0]
+  assert judge.pair_prefix == "Q: {question}\nRef: {reference}\nBetter, A or B? A: "
+  a = [f"Answer {i}: " + "tide, " * (2 * i) + f"end {i}." for i in range(10)]  # 2 passes of 8
+  b = [f"Other {i}: " + "rain " * (i % 3) + "stop." for i in range(10)]
+  q, ref = [f"Question {i}? " + "Why " * i for i in range(10)], [None, "ref"] * 5
+  got = judge.pairwise(a, b, q, ref)
+  fill = lambda x, y, i: judge.cfg.pairwise_prompt.format(
+      question=q[i], first=x, second=y, reference=ref[i] or "(none given)")
+  rows = [judge.rows(judge.pair_prefix.format(question=q[i], reference=ref[i] or "(none given)"),
+                     [fill(a[i], b[i], i), fill(b[i], a[i], i)]) for i in range(10)]
+  assert min(len(p) for p, _ in rows) > 16  # past the tiny model's window
+  dense = judge.token_probs([p + x for p, xs in rows for x in xs], judge.ab)
+  np.testing.assert_allclose(got, (dense[0::2, 0] + dense[1::2, 1]) / 2, rtol=1e-5, atol=1e-6)
+  assert len(set(np.round(got, 6))) == 10
+  whole = Judge(dataclasses.replace(judge.cfg, pairwise_prompt="{first} | {second} | Q: "
+                                    "{question} Better, A or B? "), judge.graphdef,
+                judge.params, judge.tokenizer, judge.mesh)
+  assert whole.pair_prefix is None
+  shown = lambda x, y, i: whole.cfg.pairwise_prompt.format(question=q[i], first=x, second=y)
+  texts = [shown(a[i], b[i], i) for i in range(2)] + [shown(b[i], a[i], i) for i in range(2)]
+  dense = whole.probs(texts, whole.ab)
+  np.testing.assert_allclose(whole.pairwise(a[:2], b[:2], q[:2], ref[:2]),
+                             (dense[:2, 0] + dense[2:, 1]) / 2, rtol=1e-5)
+
+
 def test_a_run_reports_categories_and_its_win_rate(setup, tmp_path):
   """GRPO on data/general.jsonl with rubric judging: per-category rewards each step, per-
   category held-out means before and after, and the judge's win rate against the model before
@@ -284,6 +315,10 @@ def test_the_shared_prefix_is_the_prompt_before_its_first_criterion():
   assert prefix_template(DEFAULT_CRITERION).endswith("Response: {response}\n\nCriterion: ")
   assert prefix_template("{{x}} {response!r:>4} {criterion} {question}") == "{{x}} {response!r:>4} "
   assert prefix_template("Criterion: {criterion}\nResponse: {response}") is None  # none shared
+  pair = lambda t: prefix_template(t, ("first", "second"), after=None)
+  assert pair(PAIRWISE) == "Q: {question}\nRef: {reference}\nBetter, A or B? A: "
+  assert pair("{question} B: {second} A: {first}") == "{question} B: "
+  assert pair("{first} {second} {question}") is None  # nothing before the first response
 
 
 def _dense_yes(judge, rows):

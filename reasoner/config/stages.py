@@ -288,7 +288,8 @@ class JudgeConfig:
   # (`reasoner plan` plans that many); 0: the records carry no rubrics
   max_criteria: int = 0
   # the evaluation's win rate against the model before training: two responses in a prompt,
-  # read as the probabilities of `pairwise_grades` (first better, second better), both orders
+  # read as the probabilities of `pairwise_grades` (first better, second better), both orders,
+  # the text before the first response read once
   pairwise_prompt: str = DEFAULT_PAIRWISE
   pairwise_grades: tuple[str, ...] = ("A", "B")
   # before a run uses the judge: does it rank the records' own responses above another

@@ -95,14 +95,17 @@ def criteria_probs(model, prefix, prefix_valid, suffix, lengths, ids, mesh=None)
   return grade_head(model, suffix_hidden(model, prefix, prefix_valid, suffix, lengths, mesh), ids)
 
 
-def prefix_template(template: str) -> str | None:
-  """The criterion prompt's text before its first {criterion}, a template still; None where
-  {response} does not come before it (no prefix shared by a completion's criteria)."""
+def prefix_template(template: str, at: tuple[str, ...] = ("criterion",),
+                    after: str | None = "response") -> str | None:
+  """The text of `template` before its first field named in `at`, a template still (the
+  criterion prompt's before {criterion}; the pairwise prompt's before {first} or {second}).
+  None where no field of `at` comes after `after`, or nothing before it (no prefix shared)."""
   out, seen = [], set()
   for text, field, spec, conv in string.Formatter().parse(template):
     out.append(text.replace("{", "{{").replace("}", "}}"))  # parse unescaped them
-    if field == "criterion":
-      return "".join(out) if "response" in seen else None
+    if field in at:
+      head = "".join(out)
+      return head if head and (after is None or after in seen) else None
     if field is not None:
       seen.add(field)
       out.append("{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}")
@@ -252,6 +255,7 @@ class Judge:
     self._criteria = jax.jit(lambda params, *batch: criteria_probs(
         nnx.merge(graphdef, *params), *batch, mesh=mesh))
     self.prefix = prefix_template(cfg.criterion_prompt)  # None: a prompt a criterion
+    self.pair_prefix = prefix_template(cfg.pairwise_prompt, ("first", "second"), after=None)
 
   @classmethod
   def own(cls, cfg: JudgeConfig, devices: list, seed: int) -> "Judge":
@@ -316,28 +320,39 @@ class Judge:
 
   def criterion_rows(self, completion: str, question: str, answer, rubric) -> tuple:
     """A completion's judged criteria as (prefix ids, [suffix ids]): the criterion prompt up to
-    its first {criterion}, with BOS, and each criterion's rest of it. The prefix keeps its last
-    tokens within `judge.max_tokens` beside the longest suffix (a prompt's end is kept)."""
+    its first {criterion}, and each criterion's rest of it (`rows`)."""
     fill = dict(question=question, response=completion,
                 reference=answer if answer is not None else "(none given)")
-    # a space before the criterion goes with it, as SentencePiece joins it to the next word
-    head = self.prefix.format(**fill).rstrip(" ")
-    suffixes = [self.tokenizer.encode(self.cfg.criterion_prompt.format(**fill, criterion=c)[
-        len(head):]) for c in judged(rubric)]
+    return self.rows(self.prefix.format(**fill), [
+        self.cfg.criterion_prompt.format(**fill, criterion=c) for c in judged(rubric)])
+
+  def rows(self, head: str, texts: list[str]) -> tuple:
+    """(prefix ids, [suffix ids]) of prompts `texts` that all begin with `head`: `head` with
+    BOS, and each text's rest. The prefix keeps its last tokens within `judge.max_tokens`
+    beside the longest suffix (a prompt's end is kept)."""
+    # a space before the suffix goes with it, as SentencePiece joins it to the next word
+    head = head.rstrip(" ")
+    suffixes = [self.tokenizer.encode(t[len(head):]) for t in texts]
     keep = max(1, self.cfg.max_tokens - max(map(len, suffixes)))
     return self.tokenizer.encode(head, add_bos=True)[-keep:], suffixes
 
   def criteria(self, rows: list) -> list[np.ndarray]:
-    """Each completion's judged criteria's yes-probabilities from its `criterion_rows`,
-    `judge.batch_size` completions a pass (filler completions keep its shape), each read once."""
-    n, pad = self.cfg.batch_size, self.tokenizer.pad_id
+    """Each completion's judged criteria's yes-probabilities from its `criterion_rows`, each
+    completion read once (`passes`)."""
     k = max([self.cfg.max_criteria, *(len(xs) for _, xs in rows)])
+    return [p[:, 1] for p in self.passes(rows, self.yes_no, k)]
+
+  def passes(self, rows: list, grades: jax.Array, k: int) -> list[np.ndarray]:
+    """Each row's ([its suffixes], K) probabilities of the K tokens `grades` after each of its
+    suffixes, read behind its prefix once: `judge.batch_size` rows a pass of `k` suffixes
+    (filler rows and suffixes keep its shape)."""
+    n, pad = self.cfg.batch_size, self.tokenizer.pad_id
     out = []
     for start in range(0, len(rows), n):
       part = rows[start:start + n]
       batch = [mesh_lib.put_batch(self.mesh, a) for a in pack(part, n, k, pad)]
-      p = mesh_lib.to_host(self._criteria(self.params, *batch, self.yes_no))
-      out += [p[i, :len(xs), 1] for i, (_, xs) in enumerate(part)]
+      p = mesh_lib.to_host(self._criteria(self.params, *batch, grades))
+      out += [p[i, :len(xs)] for i, (_, xs) in enumerate(part)]
     return out
 
   def probs(self, texts: list[str], grades: jax.Array | None = None) -> np.ndarray:
@@ -401,11 +416,20 @@ class Judge:
   def pairwise(self, first, second, question, answer) -> np.ndarray:
     """[n] the probability that each `first` response is the better of the pair, the mean of
     both orders (`judge.pairwise_prompt`, A = first shown): position bias cancels, swapping the
-    two gives 1 - p, and a response against itself gives exactly 0.5."""
+    two gives 1 - p, and a response against itself gives exactly 0.5. The two orders share the
+    prompt before the first response (question, reference), read once (`passes`); a prompt
+    that opens with a response is read whole in each order."""
     n = len(first)
+    ref = [a if a is not None else "(none given)" for a in answer]
     fill = lambda q, x, y, a: self.cfg.pairwise_prompt.format(
-        question=q, first=x, second=y, reference=a if a is not None else "(none given)")
-    texts = [fill(*t) for t in zip(question, first, second, answer)]
-    texts += [fill(*t) for t in zip(question, second, first, answer)]
+        question=q, first=x, second=y, reference=a)
+    if self.pair_prefix is not None:
+      rows = [self.rows(self.pair_prefix.format(question=q, reference=a),
+                        [fill(q, x, y, a), fill(q, y, x, a)])
+              for q, x, y, a in zip(question, first, second, ref)]
+      return np.asarray([0.5 * (p[0, 0] + p[1, 1]) for p in self.passes(rows, self.ab, 2)],
+                        np.float32).reshape(n)
+    texts = [fill(*t) for t in zip(question, first, second, ref)]
+    texts += [fill(*t) for t in zip(question, second, first, ref)]
     p = self.probs(texts, self.ab)
     return 0.5 * (p[:n, 0] + p[n:, 1])
