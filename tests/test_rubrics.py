@@ -167,6 +167,15 @@ def test_pairwise_reads_the_shared_question_once_and_equals_each_order_read_whol
   dense = judge.token_probs([p + x for p, xs in rows for x in xs], judge.ab)
   np.testing.assert_allclose(got, (dense[0::2, 0] + dense[1::2, 1]) / 2, rtol=1e-5, atol=1e-6)
   assert len(set(np.round(got, 6))) == 10
+  # responses longer than judge.max_tokens: a pass stays within it, as the per-row path does,
+  # keeping each order's end (where the grade is due)
+  long = ["tide, " * judge.cfg.max_tokens, "rain " * judge.cfg.max_tokens]
+  head = judge.pair_prefix.format(question=q[0], reference="ref")
+  texts = [fill(long[0], long[1], 0), fill(long[1], long[0], 0)]
+  prefix, suffixes = judge.rows(head, texts)
+  assert len(prefix) + max(map(len, suffixes)) == judge.cfg.max_tokens
+  for x, t in zip(suffixes, texts):
+    assert x == setup.tokenizer.encode(t[len(head.rstrip(" ")):])[-len(x):]
   whole = Judge(dataclasses.replace(judge.cfg, pairwise_prompt="{first} | {second} | Q: "
                                     "{question} Better, A or B? "), judge.graphdef,
                 judge.params, judge.tokenizer, judge.mesh)

@@ -328,11 +328,12 @@ class Judge:
 
   def rows(self, head: str, texts: list[str]) -> tuple:
     """(prefix ids, [suffix ids]) of prompts `texts` that all begin with `head`: `head` with
-    BOS, and each text's rest. The prefix keeps its last tokens within `judge.max_tokens`
-    beside the longest suffix (a prompt's end is kept)."""
+    BOS, and each text's rest. Within `judge.max_tokens`, as the per-row path cuts its prompts:
+    a suffix keeps its last max_tokens - 1 tokens (two long responses of a pair), and the
+    prefix its last tokens beside the longest suffix (a prompt's end is kept)."""
     # a space before the suffix goes with it, as SentencePiece joins it to the next word
     head = head.rstrip(" ")
-    suffixes = [self.tokenizer.encode(t[len(head):]) for t in texts]
+    suffixes = [self.tokenizer.encode(t[len(head):])[1 - self.cfg.max_tokens:] for t in texts]
     keep = max(1, self.cfg.max_tokens - max(map(len, suffixes)))
     return self.tokenizer.encode(head, add_bos=True)[-keep:], suffixes
 
