@@ -1,6 +1,7 @@
 """The judge reward: its grade against a dense computation of the grade tokens' probabilities,
 routed by category, and its settings refused in one line."""
 
+import dataclasses
 import json
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, dense_grade_probs, tiny_config
+from reasoner import mesh as mesh_lib
 from reasoner.models import lora as lora_lib
 from reasoner.build import build
 from reasoner.config import ConfigError
@@ -48,18 +50,32 @@ def _dense_grades(model, tokenizer, texts):
 
 
 def test_a_judge_of_its_own_lives_on_the_last_four_devices():
-  """judge.devices: 4 on 8 devices: the judge's weights only on the last four, the policy's
-  only on the first four; its grades those of a dense forward of the judge's own model."""
+  """judge.devices: 4 on 8 devices: the judge's weights only on the last four, split over 'tp'
+  (`mesh.forward_mesh`), the policy's only on the first four; its grades, and a rubric's
+  criteria read in one pass, those of a dense forward of the judge's own model on one device."""
   from flax import nnx
 
-  own = "judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1}"
+  own = ("judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1, "
+         "tiny_heads: 4, tiny_kv_heads: 4}")
+  criterion = "Q: {question}\nA: {response}|{criterion}"  # its 16-token window sees the response
   setup = build(tiny_config(*MIXED, own, "judge.devices=4", f"judge.rubric={json.dumps(RUBRIC)}",
+                            f"judge.criterion_prompt={json.dumps(criterion)}",
+                            "judge.criterion_grades=[N, Y]", "judge.max_criteria=3",
                             "train.batch_size=2"))
   judge = setup.rewards.fns[0]
   where = lambda tree: {s.device for x in jax.tree.leaves(tree) for s in x.addressable_shards}
   assert where(setup.base) | where(setup.lora) == set(jax.devices()[:4])
   assert where(judge.params) == set(jax.devices()[4:])
-  assert setup.mesh.devices.size == 4 and judge.mesh.devices.size == 4
+  assert setup.mesh.devices.size == 4 and dict(judge.mesh.shape) == {"fsdp": 1, "tp": 4}
+  tcfg = nnx.merge(judge.graphdef, *judge.params).config
+  shapes = [tuple(mesh_lib.forward_mesh(jax.devices()[:n], tcfg).shape.values())
+            for n in (2, 3, 6, 8)]
+  assert shapes == [(1, 2), (3, 1), (3, 2), (2, 4)]  # 'tp': a power of two dividing the heads
+  one_kv_head = dataclasses.replace(tcfg, num_kv_heads=1)  # Gemma 3 1B's, the tiny default's
+  assert dict(mesh_lib.forward_mesh(jax.devices()[4:], one_kv_head).shape) == {"fsdp": 4, "tp": 1}
+  split = [x for x in jax.tree.leaves(judge.params)
+           if len({str(s.index) for s in x.addressable_shards}) == 4]
+  assert len(split) >= len(jax.tree.leaves(judge.params)) // 2  # weights split, not copied
   texts = judge.texts(["Blue.", "7"], ["Sky colour?", "A prime?"], [None, "2"])
   got = judge(["p", "p"], ["Blue.", "7"], question=["Sky colour?", "A prime?"],
               answer=[None, "2"])
@@ -67,6 +83,16 @@ def test_a_judge_of_its_own_lives_on_the_last_four_devices():
   assert len(model.layers) == 1  # the judge's own model, not the policy's two layers
   np.testing.assert_allclose(got, _dense_grades(model, judge.tokenizer, texts), rtol=1e-5,
                              atol=1e-6)
+  rubric = [("Y?", 1.0), ("Ok?", 1.0), ("x", 1.0)]
+  answers = [("Sky colour?", "Blue, on a clear day."), ("A prime?", "7 is prime."),
+             ("Name a fruit.", "A pear.")]
+  got = judge.criteria([judge.criterion_rows(r, q, None, rubric[:1 + i])
+                        for i, (q, r) in enumerate(answers)])
+  texts = [t for i, (q, r) in enumerate(answers)
+           for t in judge.criterion_texts(r, q, None, rubric[:1 + i])]
+  want = dense_grade_probs(model, judge.tokenizer, texts, "NY")[:, 1]
+  np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-6)
+  assert len(set(np.round(want, 6))) > 3
 
 
 def test_judge_scores_only_its_categories(setup):

@@ -30,6 +30,7 @@ class ModelConfig:
   tiny_embed_dim: int = 64
   tiny_hidden_dim: int = 128
   tiny_heads: int = 2
+  tiny_kv_heads: int = 1
   tiny_head_dim: int = 32
   tiny_vocab: int = 384
 

@@ -24,7 +24,8 @@ from reasoner.config import Config, ConfigError
 NAME = "run.json"
 # What a checkpoint holds (the LoRA's shapes and what its weights mean) depends on these.
 FIXED = ("model.name", "model.layers", "model.tiny_layers", "model.tiny_embed_dim",
-         "model.tiny_hidden_dim", "model.tiny_heads", "model.tiny_head_dim", "model.tiny_vocab",
+         "model.tiny_hidden_dim", "model.tiny_heads", "model.tiny_kv_heads",
+         "model.tiny_head_dim", "model.tiny_vocab",
          "lora.rank", "lora.alpha", "lora.module_path")
 # Where and for how long this session runs, and where it logs: not settings of the run.
 SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name",

@@ -166,7 +166,7 @@ def model_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     tcfg = gemma3_lib.ModelConfig(
         num_layers=cfg.tiny_layers, num_embed=vocab_size or cfg.tiny_vocab,
         embed_dim=cfg.tiny_embed_dim, hidden_dim=cfg.tiny_hidden_dim, num_heads=cfg.tiny_heads,
-        head_dim=cfg.tiny_head_dim, num_kv_heads=1, sliding_window_size=16,
+        head_dim=cfg.tiny_head_dim, num_kv_heads=cfg.tiny_kv_heads, sliding_window_size=16,
         global_base_frequency=1_000_000)
   else:
     tcfg = presets[cfg.name]()

@@ -32,7 +32,8 @@ the trained model against the model before training).
 Where it runs: by default (`judge.model: null`) the judge is the policy's own base weights with
 the LoRA off, on the policy's devices, at no extra memory. A model of its own (`judge.model`,
 any this toolkit loads) runs on the policy's devices too, or, with `judge.devices: N`, on the
-last N devices alone, loaded straight into their shards there, while the policy trains on the
+last N devices alone, loaded straight into their shards there ('tp' over them,
+`mesh.forward_mesh`: every pass reads its weights where they lie), while the policy trains on the
 others (`build.split_devices`): a Gemma 3 12B judge on half of a v5e-8 beside the policy.
 """
 
@@ -47,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from reasoner import mesh as mesh_lib
-from reasoner.config import JudgeConfig, MeshConfig, ModelConfig
+from reasoner.config import JudgeConfig, ModelConfig
 from reasoner.errors import ConfigError
 from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
@@ -260,8 +261,8 @@ class Judge:
   @classmethod
   def own(cls, cfg: JudgeConfig, devices: list, seed: int) -> "Judge":
     """A judge of its own (`judge.model`) on `devices`, its weights loaded into their shards
-    there (a mesh of its own: 'fsdp' over them)."""
-    mesh = mesh_lib.make_mesh(MeshConfig(), devices)
+    there (a mesh of its own, `mesh.forward_mesh`: 'tp' over them)."""
+    mesh = mesh_lib.forward_mesh(devices, gemma.model_spec(cfg.model).tunix_config)
     tokenizer, _, model = load.load_model(cfg.model, mesh, seed)
     graphdef, state = nnx.split(model)
     return cls(cfg, graphdef, (state,), tokenizer, mesh)
@@ -279,8 +280,8 @@ class Judge:
     cfg, own = setup.cfg.judge, setup.devices.judge
     if cfg.model is None:
       return cls(cfg, setup.graphdef, (setup.lora, setup.base), setup.tokenizer, setup.mesh)
-    mesh = mesh_lib.make_mesh(MeshConfig(), own) if own else setup.mesh
     tokenizer, spec = load.spec_without_checkpoint(cfg.model)
+    mesh = mesh_lib.forward_mesh(own, spec.tunix_config) if own else setup.mesh
     graphdef, state, _ = gemma.abstract_model(spec, mesh)
     return cls(cfg, graphdef, (mesh_lib.placed(state, mesh),), tokenizer, mesh)
 
