@@ -152,7 +152,8 @@ def test_sigterm_while_a_reward_hangs_exits_within_seconds_with_the_state_saved(
   t = time.monotonic()
   p.send_signal(signal.SIGTERM)
   out, err = p.communicate(timeout=60)
-  assert time.monotonic() - t < 10, "SIGTERM waited for the reward"
+  # the reward hangs for 600 s; the save alone took 10.8 s on 2 cores beside a libtpu compile
+  assert time.monotonic() - t < 45, "SIGTERM waited for the reward"
   assert p.returncode == 143, err[-2000:]
   assert "SIGTERM: saved step 2 of 4" in err and "continue with:" in err, err[-2000:]
   assert err.count("saved step 2 of 4") == 1, err[-2000:]  # once, not by close() as well
