@@ -49,14 +49,18 @@ def _dense_grades(model, tokenizer, texts):
   return dense_grade_probs(model, tokenizer, texts, "12345") @ np.arange(5) / 4
 
 
-def test_a_judge_of_its_own_lives_on_the_last_four_devices():
+def test_a_judge_of_its_own_lives_on_the_last_four_devices(tmp_path):
   """judge.devices: 4 on 8 devices: the judge's weights only on the last four, split over 'tp'
   (`mesh.forward_mesh`), the policy's only on the first four; its grades, and a rubric's
-  criteria read in one pass, those of a dense forward of the judge's own model on one device."""
+  criteria read in one pass, those of a dense forward of the judge's own model on one device.
+  The judge is a Kaggle-layout checkpoint, restored straight into its 'tp' shards."""
   from flax import nnx
+  from test_kaggle import TINY, write_download
 
-  own = ("judge.model={source: random, name: tiny, tokenizer: bytes, tiny_layers: 1, "
-         "tiny_heads: 4, tiny_kv_heads: 4}")
+  write_download(tmp_path / "judge", "gemma3", {**TINY, "layers": 1, "heads": 8, "kv": 4},
+                 "gemma3-1b-it")
+  own = (f"judge.model={{source: kaggle, name: tiny, path: '{tmp_path / 'judge'}', "
+         "tokenizer: bytes, tiny_layers: 1, tiny_heads: 8, tiny_kv_heads: 4}")
   criterion = "Q: {question}\nA: {response}|{criterion}"  # its 16-token window sees the response
   setup = build(tiny_config(*MIXED, own, "judge.devices=4", f"judge.rubric={json.dumps(RUBRIC)}",
                             f"judge.criterion_prompt={json.dumps(criterion)}",
