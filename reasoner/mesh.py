@@ -68,15 +68,14 @@ def forward_mesh(devices: list[Any], tcfg: Any) -> Mesh:
   'tp' over them, so that every pass reads each chip's share of the weights where it lies: the
   largest power of two, at most 8, that divides their count and every width `param_rules`
   splits over 'tp' (query and KV heads, model and MLP widths, vocabulary, of Tunix's config
-  `tcfg`; Gemma 3 12B on 4 chips: tp 4), 'fsdp' over the rest. Over
-  'fsdp' each pass would gather the whole model onto every chip first, and the judge's
-  criteria pass runs 1 + `judge.max_criteria` passes (the prefix, then each suffix): Gemma 3 12B
-  on 4 v5e chips, 16 completions x 20 criteria, 5.51 s a pass over 'fsdp', 1.02 s over 'tp'
-  (`reasoner plan`, docs/LOG.md)."""
+  `tcfg`; Gemma 3 12B on 4 chips: tp 4), 'fsdp' over the rest. Over 'fsdp' each pass would
+  gather the whole model onto every chip first, and the judge's criteria pass runs
+  1 + `judge.max_criteria` passes (the prefix, then each suffix): Gemma 3 12B on 4 v5e chips,
+  16 completions x 20 criteria, 5.51 s a pass over 'fsdp', 1.02 s over 'tp' (`reasoner plan`,
+  docs/LOG.md)."""
   n = len(devices)
   widths = (tcfg.num_heads, tcfg.num_kv_heads, tcfg.embed_dim, tcfg.hidden_dim, tcfg.num_embed)
-  tp = math.gcd(n & -n, 8, *widths)
-  tp &= -tp  # a power of two
+  tp = math.gcd(n & -n, 8, *widths)  # a divisor of n's largest power of two: a power of two
   return make_mesh(MeshConfig(fsdp=n // tp, tp=tp), devices)
 
 

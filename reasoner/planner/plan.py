@@ -48,8 +48,8 @@ from reasoner.models.load import spec_without_checkpoint
 from reasoner.objectives.grpo import GRPOTrainer
 from reasoner.planner import libtpu
 from reasoner.planner.hlo import Cost, analyse
-from reasoner.rewards.judge import (SUFFIX_PLANNED, Judge, estimate, planned_prefix,
-                                    prefix_template)
+from reasoner.rewards.judge import (SUFFIX_PLANNED, Judge, estimate, in_passes,
+                                    planned_prefix, prefix_template)
 
 @dataclasses.dataclass
 class StepPlan:
@@ -446,7 +446,7 @@ def _beside(report: dict[str, Any], setup, chip: Chip, log: Callable[[str], None
     j = cfg.judge
     log(f"  judge, a pass of {j.batch_size} completions x {j.max_criteria} criteria "
         f"({planned_prefix(j)}-token prefixes, {SUFFIX_PLANNED}-token suffixes) ..."
-        if j.max_criteria and prefix_template(j.criterion_prompt) is not None else
+        if in_passes(j) else
         f"  judge, {j.batch_size} prompts of {j.max_tokens} tokens ...")
     report["judge"], report["judge_on"] = judge_plan(setup, chip)
   if taught(cfg):

@@ -113,6 +113,13 @@ def prefix_template(template: str, at: tuple[str, ...] = ("criterion",),
   return None
 
 
+def in_passes(cfg: JudgeConfig) -> bool:
+  """Whether records' rubrics are judged a pass a completion, its criteria as suffixes on its
+  prefix (`criteria_probs`): they are allowed (`judge.max_criteria`) and the criterion prompt
+  shares a prefix (`prefix_template`)."""
+  return bool(cfg.max_criteria) and prefix_template(cfg.criterion_prompt) is not None
+
+
 def left_padded(prompts: list[list[int]], n: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
   """`prompts` (token ids) as [n, P] tokens left-padded to a multiple of 64, and their valid
   mask; filler rows past `prompts` are one pad token, so a batch keeps its shape."""
@@ -304,7 +311,7 @@ class Judge:
   def planned(self) -> tuple:
     """(the jitted program, its abstract inputs) a batch of a step runs: one pass of completions
     with their criteria where records carry rubrics, else a batch of rubric prompts."""
-    if self.cfg.max_criteria and self.prefix is not None:
+    if in_passes(self.cfg):
       return self._criteria, self.criteria_inputs()
     return self._probs, self.abstract_inputs()
 
