@@ -158,7 +158,7 @@ def _source(cfg: Config, train: list[dict], held: list[dict], tokens: Counter, k
   """A source's prompt and response lengths against their budgets (the response's: `budget`,
   else config key `key`'s), and two examples."""
   d = cfg.data
-  render = lambda r: prompts.render(d.template, r["question"])
+  render = lambda r: prompts.render_record(d.template, r)
   lengths = [tokens.count(render(r)) for r in train + held]
   limit = d.max_prompt_tokens
   fate = f"dropped at load (data.overlong: {d.overlong})" if d.overlong == "drop" else (

@@ -70,7 +70,7 @@ def evaluate(setup: Setup, sampler: Sampler, lora, records: list[dict],
   totals, correct, fmt, rows = [], [], [], []
   for i in range(0, len(records), cfg.eval.batch_size):
     chunk = records[i:i + cfg.eval.batch_size]
-    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
+    prompts = [prompts_lib.render_record(cfg.data.template, r) for r in chunk]
     comps, _, _ = sampler.sample((lora, setup.base), prompts, jax.random.PRNGKey(0), scfg)
     answers = [r["answer"] for r in chunk]
     total, _ = setup.rewards.score(prompts, comps.texts, chunk)
@@ -156,7 +156,7 @@ def sampled(setup: Setup, sampler: Sampler, lora, records: list[dict]) -> dict:
   hits, votes = [], []
   for i in range(0, len(records), per):
     chunk = records[i:i + per]
-    prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in chunk]
+    prompts = [prompts_lib.render_record(cfg.data.template, r) for r in chunk]
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), i)
     comps, _, _ = sampler.sample((lora, setup.base), prompts, key, scfg, n)
     for j, r in enumerate(chunk):

@@ -71,6 +71,29 @@ def test_templates_ask_for_the_format():
         ("What is 2 + 2?", "model"))
 
 
+def test_a_prompt_asks_what_its_records_category_needs():
+  """Math (or no category): the final number after arithmetic shots. Any other category (an
+  instruction, a poem): an answer, after shots that each follow an instruction; the record's
+  prompt is the same wherever it is built (rollout, evaluation, SFT, the data report)."""
+  from reasoner.data import instructions
+  from reasoner.rewards.instructions import follows
+
+  rec = instructions.generate(4, 0, 0)[0][0]  # a generated instruction record
+  math = {"question": "What is 2 + 2?", "answer": "4", "category": "math"}
+  for name in prompts.TEMPLATES:
+    assert prompts.render_record(name, math) == prompts.render(name, "What is 2 + 2?")
+    assert "final number" in prompts.render_record(name, math)
+    p = prompts.render_record(name, rec)
+    assert prompts.GENERAL_INSTRUCTION in p and "final number" not in p
+    assert p.rstrip().endswith((rec["question"], "model"))
+  few = prompts.render_record("fewshot", rec)
+  assert "Sam has 3 bags" not in few and all(q in few for q, _, _ in prompts.GENERAL_EXAMPLES)
+  # each shot follows the instruction it states, by the reward's own checker
+  kinds = [(instructions.BULLETS, {"num_bullets": 2}, {"n": 2}), (instructions.CAPITAL, {}, {})]
+  for (q, _, a), (kind, args, words) in zip(prompts.GENERAL_EXAMPLES, kinds):
+    assert follows(kind, args, a) and instructions.PHRASES[kind][0].format(**words) in q
+
+
 def test_overlong_prompts_are_found_at_load_dropped_or_named():
   from reasoner.models.tokenizer import ByteTokenizer
 

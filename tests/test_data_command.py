@@ -17,7 +17,9 @@ from reasoner.models.tokenizer import SentencePieceTokenizer, sentencepiece_from
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # tiny.yaml's plain prompt around an ASCII question, in bytes, and its BOS: a prompt's tokens
+# (a math record's; any other category's is GENERAL more)
 PLAIN = len(prompts.INSTRUCTION) + len("\n\nQuestion: \n") + 1
+GENERAL = len(prompts.GENERAL_INSTRUCTION) - len(prompts.INSTRUCTION)
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +80,10 @@ def test_a_jsonl_file_counted_against_the_budgets(tmp_path, capsys):
   assert row(out, "math") == ["math", "2", "1", "50.0%"]
   assert row(out, "code") == ["code", "2", "0", "50.0%"]
   assert row(out, "science") == ["science", "0", "1", "0.0%"]
-  # prompts (training and held out): PLAIN + 10, 20, 40, 200, 50, 5 bytes
-  p = sorted(PLAIN + n for n in (10, 20, 40, 200, 50, 5))
+  # prompts (training and held out): PLAIN + 10, 20, 40, 200, 50, 5 bytes, and GENERAL more
+  # for the code and science records (their prompt asks for an answer, not a number)
+  p = sorted(PLAIN + n for n in (10, 20, 50)) + [PLAIN + GENERAL + n for n in (40, 200, 5)]
+  p.sort()
   assert p[-1] > 256 >= p[-2]
   assert line(out, "prompt tokens") == (
       f"prompt tokens (training and held out): median {(p[2] + p[3]) / 2:g}, p95 {p[-1]}, "
@@ -93,8 +97,8 @@ def test_a_jsonl_file_counted_against_the_budgets(tmp_path, capsys):
   first = prompts.render("plain", "a" * 10)
   assert (f"record 0): prompt, {PLAIN + 10} tokens ---\n{first}\n--- response, 6 tokens ---\n"
           f"{'r' * 5}\n--- end ---\n") in out
-  longest = prompts.render("plain", "c" * 40)
-  assert (f"(the longest prompt that fits: record 2): prompt, {PLAIN + 40} tokens ---\n"
+  longest = prompts.render("plain", "c" * 40, "code")
+  assert (f"(the longest prompt that fits: record 2): prompt, {PLAIN + GENERAL + 40} tokens ---\n"
           f"{longest}\n--- response, 11 tokens ---\n") in out
   assert out.count("--- example") == 2 and "d" * 200 not in out
 
@@ -129,7 +133,9 @@ def test_a_mixture_shows_each_sources_share_of_the_draws(tmp_path, capsys):
                     ["math", "2", "0", "37.5%"],
                     ["code", "2", "0", "37.5%"], ["math", "2", "0", "37.5%"],
                     ["creative", "1", "1", "25.0%"]]
-  assert f"{prompts.render('plain', 'a poem about rain')}\n--- end ---" in out
+  # the mixture's category reaches the prompt: a poem is asked for an answer, not a number
+  assert f"{prompts.render('plain', 'a poem about rain', 'creative')}\n--- end ---" in out
+  assert "final number" not in prompts.render('plain', 'a poem about rain', 'creative')
 
 
 def test_a_kaggle_models_local_tokenizer_counts(tmp_path, capsys):

@@ -35,7 +35,7 @@ def encode(records: list[dict], template: str, tokenizer, max_prompt: int, max_r
   stop = stop_id(template, tokenizer)
   out = []
   for i, r in enumerate(records):
-    p = tokenizer.encode(prompts_lib.render(template, r["question"]), add_bos=True)
+    p = tokenizer.encode(prompts_lib.render_record(template, r), add_bos=True)
     ys = [[*tokenizer.encode(r[f]), stop] for f in fields]
     longest = max(map(len, ys))
     if len(p) <= max_prompt and longest <= max_response:

@@ -4,6 +4,13 @@ All ask for `<reasoning>...</reasoning><answer>...</answer>`; `plain` only asks,
 that SFT taught the format. The embedded model is a
 pretrained base model: it does not follow the chat template, but it continues a few-shot
 pattern, so that is the honest way to show it the format GRPO then reinforces.
+
+What a prompt asks for follows the record's category: a math record (or one with no category)
+asks for the final number and its few shots are arithmetic; any other (instructions, creative
+writing, summaries, science, code) asks for the answer, and its shots are requests answered
+under an instruction each, in the generated instructions' wording (`data.instructions`), on
+tasks that set never draws. An instruction prompt that asked for "the final number" after two
+sums showed the base model nothing it could follow (docs/LOG.md, issue 54).
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ from reasoner.errors import DataError
 
 INSTRUCTION = ("Solve the problem. Write your reasoning inside <reasoning></reasoning> and the "
                "final number inside <answer></answer>.")
+GENERAL_INSTRUCTION = ("Answer the request and follow every instruction in it. Write your "
+                       "reasoning inside <reasoning></reasoning> and the answer inside "
+                       "<answer></answer>.")
+MATH = (None, "math")  # the categories that ask for a number
 
 EXAMPLES = [
     ("Sam has 3 bags with 4 pens in each bag. How many pens does Sam have?",
@@ -19,28 +30,48 @@ EXAMPLES = [
     ("Mia had 15 stickers and gave away 6. How many stickers does Mia have left?",
      "15 - 6 = 9 stickers are left.", "9"),
 ]
+# tasks the instruction generator never draws, one instruction each
+GENERAL_EXAMPLES = [
+    ("Name two things you can find on a beach. Your answer must contain exactly 2 bullet points "
+     "in markdown format, such as: * This is a point.",
+     "Name two things on a beach: exactly 2 bullet points.", "* Sand\n* Shells"),
+    ("Say what bees make. Your entire response should be in English capital letters.",
+     "Say what bees make: all in capital letters.", "BEES MAKE HONEY."),
+]
 
 
-def fewshot(question: str) -> str:
+def instruction(category: str | None = None) -> str:
+  """What a prompt asks of a record of `category` (a number for math, else an answer)."""
+  return INSTRUCTION if category in MATH else GENERAL_INSTRUCTION
+
+
+def fewshot(question: str, category: str | None = None) -> str:
+  examples = EXAMPLES if category in MATH else GENERAL_EXAMPLES
   shots = "".join(f"Question: {q}\n<reasoning>{r}</reasoning>\n<answer>{a}</answer>\n\n"
-                  for q, r, a in EXAMPLES)
-  return f"{INSTRUCTION}\n\n{shots}Question: {question}\n"
+                  for q, r, a in examples)
+  return f"{instruction(category)}\n\n{shots}Question: {question}\n"
 
 
-def plain(question: str) -> str:
-  return f"{INSTRUCTION}\n\nQuestion: {question}\n"
+def plain(question: str, category: str | None = None) -> str:
+  return f"{instruction(category)}\n\nQuestion: {question}\n"
 
 
-def chat(question: str) -> str:
-  return (f"<start_of_turn>user\n{INSTRUCTION}\n\n{question}<end_of_turn>\n"
+def chat(question: str, category: str | None = None) -> str:
+  return (f"<start_of_turn>user\n{instruction(category)}\n\n{question}<end_of_turn>\n"
           "<start_of_turn>model\n")
 
 
 TEMPLATES = {"fewshot": fewshot, "chat": chat, "plain": plain}
 
 
-def render(template: str, question: str) -> str:
-  return TEMPLATES[template](question)
+def render(template: str, question: str, category: str | None = None) -> str:
+  """`question` in `template`, asking what a record of `category` needs (`instruction`)."""
+  return TEMPLATES[template](question, category)
+
+
+def render_record(template: str, record: dict) -> str:
+  """A record's prompt: its question in `template`, as its category asks."""
+  return render(template, record["question"], record.get("category"))
 
 
 def within_limit(records: list[dict], split: str, template: str, tokenizer, limit: int,
@@ -50,7 +81,7 @@ def within_limit(records: list[dict], split: str, template: str, tokenizer, limi
   the others with one line of counts; 'error' names the first."""
   keep = []
   for i, r in enumerate(records):
-    n = len(tokenizer.encode(render(template, r["question"]), add_bos=True))
+    n = len(tokenizer.encode(render_record(template, r), add_bos=True))
     if n <= limit:
       keep.append(r)
     elif overlong == "error":

@@ -43,7 +43,7 @@ def sample_round(setup, sampler: Sampler, lora, records: list[dict], key: jax.Ar
   """G completions of each record's prompt (`rollout.*`), scored by the run's rewards
   (`then`: `Sampler.sample`'s, called before they are detokenised and scored)."""
   cfg, g = setup.cfg, setup.cfg.rollout.num_generations
-  prompts = [prompts_lib.render(cfg.data.template, r["question"]) for r in records]
+  prompts = [prompts_lib.render_record(cfg.data.template, r) for r in records]
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=False)
   t0 = time.perf_counter()
   comps, p_tok, p_mask = sampler.sample((lora, setup.base), prompts, key, scfg, g, then)
