@@ -12,7 +12,7 @@ from conftest import hidden_states, tiny_config
 from reasoner import mesh as mesh_lib
 from reasoner.engine import heads
 from reasoner.build import build
-from reasoner.models import decode
+from reasoner.models import decode, gemma
 from reasoner.config import MeshConfig
 from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
 from reasoner.engine.sampler import Sampler, SamplingConfig, next_token, sample_token
@@ -308,6 +308,68 @@ def test_fewer_prompts_than_chips_sample_copies_not_padding(setup):
   for row in range(8):
     ids = setup.tokenizer.encode(prompts[row // 4], add_bos=True)
     assert comps.tokens[row].tolist() == full_forward_greedy(setup, ids, 4)
+
+
+HEADER = "Answer each question with one number. Example: two plus two is 4. Now the question: "
+
+
+@pytest.fixture(scope="module")
+def wide_window(setup):
+  """(graphdef, state) of the tiny model with a 256-token sliding window (the tiny's 16 is
+  narrower than these prompts, where the head is not shared: `shared_head`)."""
+  spec = dataclasses.replace(setup.spec, tunix_config=dataclasses.replace(
+      setup.spec.tunix_config, sliding_window_size=256))
+  return nnx.split(gemma.new_model(spec, 3))
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_a_shared_head_runs_once_and_samples_what_the_full_prefill_does(setup, wide_window,
+                                                                       devices):
+  """Prompts that start with the same 85 tokens (a few-shot header): the head goes through the
+  model once and each row only its last 64 slots, and the greedy tokens are the full forward's
+  argmax, the log-probs (greedy and top-k) the full prefill's, on 1 and 8 devices."""
+  from reasoner.models.prompt import shared_head
+
+  prompts = [HEADER + q for q in ("1 + 2?", "What is 7 times 6, please?", "9?")]
+  ids = [setup.tokenizer.encode(p, add_bos=True) for p in prompts]
+  assert shared_head(ids, 128, 256) == (64, 64)  # 85 common bytes, rows of 87 to 111
+  graphdef, state = wide_window
+  mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:devices])
+  states = jax.device_put((state,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  shared = Sampler(graphdef, states, setup.tokenizer, mesh, 128)
+  full = Sampler(graphdef, states, setup.tokenizer, mesh, 128)
+  full.window = 0  # the plain prefill: every row's every slot
+  for cfg, g in ((SamplingConfig(max_new_tokens=5, temperature=0.0), 1),
+                 (SamplingConfig(max_new_tokens=5, temperature=1.0, top_k=16), 2)):
+    a, toks, _ = shared.sample(states, prompts, jax.random.PRNGKey(2), cfg, g)
+    b, toks_b, _ = full.sample(states, prompts, jax.random.PRNGKey(2), cfg, g)
+    np.testing.assert_array_equal(toks, toks_b)  # the same prompt layout goes to training
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    if g == 1:  # greedy: each row the full forward's argmax at every step
+      model = nnx.merge(graphdef, state)
+      for row, i in enumerate(ids):
+        seq = list(i)
+        for _ in range(5):
+          seq.append(int(_greedy_next(model, jnp.asarray([seq]))))
+        assert a.tokens[row].tolist() == seq[-5:]
+  assert {s[4] for s in shared.compiled_shapes} == {(64, 64)}
+  assert {s[4] for s in full.compiled_shapes} == {(0, 0)}
+
+
+def test_shared_head_is_chosen_only_where_it_saves_and_is_exact():
+  from reasoner.models.prompt import shared_head
+
+  head = list(range(1, 80))
+  rows = [head + [100, 101], head + [102] * 30]  # 79 common tokens, rows of 81 and 109
+  assert shared_head(rows, 128, None) == (64, 64)  # 64 once; 109 - 64 = 45 -> 64 slots
+  assert shared_head(rows, 128, 512) == (64, 64)
+  assert shared_head(rows, 128, 64) == (0, 0)  # a window narrower than the prompt
+  assert shared_head(rows[:1], 128, None) == (0, 0)  # one prompt shares nothing
+  assert shared_head([[1, 2] * 40, [2, 1] * 40], 128, None) == (0, 0)  # nothing in common
+  assert shared_head([head, head + [5] * 40], 128, None) == (64, 64)  # a row keeps its last
+  assert shared_head([head[:40], head[:40] + [7]], 64, None) == (32, 32)
+  assert shared_head([head[:20] + [1], head[:20] + [2]], 64, None) == (0, 0)  # under 32 shared
 
 
 def test_prompt_buckets_bound_the_compiles(setup):

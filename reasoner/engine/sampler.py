@@ -33,7 +33,7 @@ from reasoner.engine import heads, topk
 from reasoner.engine.layout import decode_layout
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
-from reasoner.models.prompt import prefill, prompt_layout
+from reasoner.models.prompt import prefill, prompt_layout, shared_head
 
 log = logging.getLogger("reasoner")
 
@@ -173,15 +173,16 @@ class _Loop(NamedTuple):
 
 
 def _prefilled(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
-               over_rows: bool):
-  """The prompt through the model once: its last hidden state repeated to its G rows
-  [rows, D], the decode cache, and `forward(model, tok, step, cache) -> (hidden, cache)`, one
-  decode step of [rows] tokens, the step-th new one of each row."""
+               over_rows: bool, head: tuple[int, int] = (0, 0)):
+  """The prompt through the model once (`head`: its shared head once, `prompt.prefill`): its
+  last hidden state repeated to its G rows [rows, D], the decode cache, and
+  `forward(model, tok, step, cache) -> (hidden, cache)`, one decode step of [rows] tokens, the
+  step-th new one of each row."""
   rows, shared = prompt.shape[0] * g, decode.shares_prompt(model)  # Gemma 3
   rep = lambda x: jnp.repeat(x, g, axis=0)
   prompt_len = rep(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   axes = mesh_lib.decode_rows(mesh, rows, g, over_rows and shared)
-  hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared, axes)
+  hidden, prompt_kv, cache = prefill(model, mesh, prompt, prompt_mask, g, n, shared, axes, *head)
   attention_mesh = mesh if "tp" in axes else None
   row_prompt_mask = rep(prompt_mask)  # Gemma 2's mask: once, not each step
 
@@ -206,20 +207,21 @@ def _prefilled(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: 
 
 def generate(graphdef, mesh: Mesh, states: tuple, prompt: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, *, cfg: SamplingConfig, num_generations: int,
-             split_vocab: bool = False, over_rows: bool = False):
+             split_vocab: bool = False, over_rows: bool = False, head: tuple[int, int] = (0, 0)):
   """prompt [B, P] left-padded -> tokens, mask, log-probs [B*G, N] (rows grouped by prompt)
   and [B*G] whether each row stopped (not cut at max_new_tokens).
 
   B must be a multiple of the mesh's 'fsdp' size (`Sampler` pads it): rows and their caches
   are split over 'fsdp', KV heads over 'tp'; `split_vocab`: the head's vocabulary over 'tp'
   (it divides: `Sampler` decides); `over_rows`: attention over each chip's own rows where
-  they divide (`mesh.decode_rows`).
+  they divide (`mesh.decode_rows`); `head`: (tokens every prompt starts with, slots after
+  them the longest needs), run once (`prompt.shared_head`).
   """
   model = nnx.merge(graphdef, *states)
   n, rows, emb = cfg.max_new_tokens, prompt.shape[0] * num_generations, model.embedding()
   split = mesh if split_vocab else None
   hidden, cache, forward = _prefilled(model, mesh, prompt, prompt_mask, num_generations, n,
-                                      over_rows)
+                                      over_rows, head)
   stops = _stops(cfg)
 
   def body(s: _Loop) -> _Loop:
@@ -325,14 +327,17 @@ class Sampler:
     self.generate = jax.jit(functools.partial(generate, graphdef, self.mesh,
                                               split_vocab=self.split_vocab,
                                               over_rows=self.over_rows),
-                            static_argnames=("cfg", "num_generations"))
+                            static_argnames=("cfg", "num_generations", "head"))
+    # prompts that share a head (a few-shot header) run it once (`prompt.shared_head`)
+    self.window = (getattr(model.config, "sliding_window_size", None)
+                   if decode.shares_prompt(model) else 0)
     self.tokenizer = tokenizer
     self.max_prompt_tokens = max_prompt_tokens
     self.buckets = tuple(sorted(buckets or default_buckets(max_prompt_tokens)))
     if self.buckets[-1] < max_prompt_tokens:
       raise ValueError(f"the largest prompt bucket {self.buckets[-1]} is smaller than "
                        f"max_prompt_tokens {max_prompt_tokens}")
-    self.compiled_shapes: set[tuple[int, int, SamplingConfig, int]] = set()
+    self.compiled_shapes: set[tuple[int, int, SamplingConfig, int, tuple[int, int]]] = set()
     self._kept: list[tuple[object, object]] = []  # (state, its copy in the decode layout)
     self._ahead: list[tuple[object, object]] = []  # the LoRA moved ahead (`move_ahead`)
     self._rules: dict = {}  # a state's tree structure -> its decode shardings (the LoRA's)
@@ -433,16 +438,19 @@ class Sampler:
     if extra:
       toks = np.concatenate([toks, np.repeat(toks[:1], extra, 0)])
       mask = np.concatenate([mask, np.repeat(mask[:1], extra, 0)])
-    shape = (toks.shape[0], width, cfg, g)
+    head = shared_head(ids, width, self.window) if self.window != 0 else (0, 0)
+    shape = (toks.shape[0], width, cfg, g, head)
     if shape not in self.compiled_shapes:
       self.compiled_shapes.add(shape)
-      log.info("sampler: compiling for %d prompts x %d tokens, G = %d, %d new tokens "
-               "(%d sampler shapes so far)", shape[0], width, g, cfg.max_new_tokens,
-               len(self.compiled_shapes))
+      log.info("sampler: compiling for %d prompts x %d tokens%s, G = %d, %d new tokens "
+               "(%d sampler shapes so far)", shape[0], width,
+               f" (a shared head of {head[0]}, then {head[1]})" if head[0] else "", g,
+               cfg.max_new_tokens, len(self.compiled_shapes))
     if self.own:  # the run's key lives on the training chips (one host: `rollout.devices`)
       key = jax.device_put(key, mesh_lib.replicated(self.mesh))
     out = self.generate(self.in_layout(states), mesh_lib.put_batch(self.mesh, toks),
-                         mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g)
+                         mesh_lib.put_batch(self.mesh, mask), key, cfg=cfg, num_generations=g,
+                         head=head)
     rows = b * num_generations
     tokens, valid, logps, stopped = (mesh_lib.to_host(x)[:rows] for x in out)
     if then is not None:

@@ -44,24 +44,69 @@ def prompt_layout(mesh: Mesh, prompts: int, g: int) -> tuple[int, int]:
 
 
 def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int, n: int,
-            shared: bool, rows: tuple[str, ...] = ("fsdp",)
+            shared: bool, rows: tuple[str, ...] = ("fsdp",), head: int = 0, tail: int = 0
             ) -> tuple[jax.Array, dict | None, dict]:
   """Each prompt once through the model -> its last hidden state [B, D] and the decode cache:
   shared (`models.decode`), the prompts' keys and values and an empty cache for the B * G rows'
   N new tokens, those rows over `rows` (`mesh.decode_rows`); otherwise (Gemma 2, Tunix's
-  decode) the prompt's cache repeated to its G rows, with room for N more."""
+  decode) the prompt's cache repeated to its G rows, with room for N more.
+
+  `head` (shared only; `shared_head` chooses it): every prompt's first `head` tokens are the
+  same (a few-shot header), and every prompt ends within the last `tail` slots after them. The
+  head then goes through the model once, not once a row (`_head_cache`), and the rows only
+  their last `tail` slots: the same cache, at B x tail + head tokens instead of B x P."""
   tcfg, dtype = model.config, model.embedding().dtype
   b, p = prompt.shape
   size = p if shared else p + n
-  hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask),
-                                      init_cache(tcfg, b, size, dtype),
-                                      causal_mask(prompt_mask, size))
+  if head and shared:
+    at = p - tail  # the first slot each row runs
+    hidden, cache = model.hidden_states(prompt[:, at:], positions_from_mask(prompt_mask)[:, at:],
+                                        _head_cache(model, prompt, prompt_mask, head, at),
+                                        causal_mask(prompt_mask, size)[:, at:], mesh)
+  else:
+    hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask),
+                                        init_cache(tcfg, b, size, dtype),
+                                        causal_mask(prompt_mask, size))
   if not shared:
     rep = lambda x: jnp.repeat(x, g, axis=0)
     return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
   slots = lambda axes: mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh, axes)
   return (hidden[:, -1], decode.from_prefill(cache, slots(("fsdp",))),
           decode.empty(tcfg, b * g, n, dtype, slots(rows)))
+
+
+def shared_head(ids: list[list[int]], width: int, window: int | None,
+                quantum: int = 32) -> tuple[int, int]:
+  """(head, tail) for `prefill` of prompts `ids` left-padded to `width`: the tokens all of them
+  start with, less one (each row's last token must run), rounded down to `quantum`, and the
+  slots after that the longest needs, rounded up (both rounded: few compiled shapes). (0, 0)
+  where that saves nothing, or where a sliding window is narrower than the prompt (Tunix's
+  prefill band counts from the query's index in the call, `attention.attention_block`)."""
+  if len(ids) < 2 or (window is not None and width > window):
+    return 0, 0
+  shortest = min(len(s) for s in ids)
+  common = next((i for i, column in enumerate(zip(*ids)) if len(set(column)) > 1), shortest)
+  head = min(common, shortest - 1) // quantum * quantum
+  tail = -(-(max(len(s) for s in ids) - head) // quantum) * quantum
+  return (head, tail) if head and tail < width else (0, 0)
+
+
+def _head_cache(model, prompt: jax.Array, prompt_mask: jax.Array, head: int, at: int) -> dict:
+  """The cache a full prefill would hold in every row's slots before `at`: the shared head's
+  keys and values, computed once (the first row's first `head` tokens), put at each row's own
+  start (its left padding), zeros elsewhere; each layer's end index at `at`."""
+  tcfg, dtype = model.config, model.embedding().dtype
+  b, p = prompt.shape
+  start = p - jnp.sum(prompt_mask, axis=1)  # [B] each row's first real slot
+  tokens = jax.lax.dynamic_slice(prompt[0], (start[0],), (head,))[None]
+  _, once = model.hidden_states(tokens, jnp.arange(head)[None], init_cache(tcfg, 1, head, dtype),
+                                causal_mask(jnp.ones((1, head), bool)))
+  j = jnp.arange(at)[None] - start[:, None]  # [B, at] the head token at each slot
+  keep = ((j >= 0) & (j < head))[..., None, None]
+  put = lambda x: jnp.where(keep, x[0][jnp.clip(j, 0, head - 1)], 0).astype(dtype)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, p - at), (0, 0), (0, 0)))
+  return {name: {"k": pad(put(c["k"])), "v": pad(put(c["v"])),
+                 "end_index": jnp.full((b,), at, jnp.int32)} for name, c in once.items()}
 
 
 def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
