@@ -232,7 +232,9 @@ class DataConfig(Hub, Fields):
   # combinations; eval.sets[].held_out_by: task, the tasks)
   held_out_by: Literal["record", "template"] = "record"
   # fewshot (two worked examples) for base models, chat for -it models, plain: the instruction and
-  # the question only (a model SFT taught the format needs no examples)
+  # the question only (a model SFT taught the format needs no examples). Each asks what the
+  # record's category needs: math (or none) the final number, after arithmetic examples; any
+  # other category an answer, after two examples that each follow an instruction
   template: Literal["fewshot", "chat", "plain"] = "fewshot"
   max_prompt_tokens: int = 256
   overlong: Literal["drop", "error"] = "drop"  # prompts over max_prompt_tokens, found at load
