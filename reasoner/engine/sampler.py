@@ -328,7 +328,8 @@ class Sampler:
                                               split_vocab=self.split_vocab,
                                               over_rows=self.over_rows),
                             static_argnames=("cfg", "num_generations", "head"))
-    # prompts that share a head (a few-shot header) run it once (`prompt.shared_head`)
+    # prompts that share a head (a few-shot header) run it once (`prompt.shared_head`) below
+    # this sliding window (None: none); 0: never (Gemma 2 decodes on Tunix's repeated cache)
     self.window = (getattr(model.config, "sliding_window_size", None)
                    if decode.shares_prompt(model) else 0)
     self.tokenizer = tokenizer

@@ -1,5 +1,6 @@
 """Each prompt through the model once, its keys and values shared by its G completions: the
-idea both the sampler (`prefill`, then decoding) and the train step (`completion_hidden`, the
+idea both the sampler (`prefill`, then decoding; a head that every prompt shares, such as a
+few-shot header, once: `shared_head`) and the train step (`completion_hidden`, the
 hidden states that predict each completion token) are built on, the judge's criteria
 (`suffix_hidden`: a completion read once, its criteria's few tokens against its cache), and the
 layout of prompts over the chips (`prompt_copies`, `prompt_layout`) that lets every chip find its
@@ -62,7 +63,7 @@ def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int
     at = p - tail  # the first slot each row runs
     hidden, cache = model.hidden_states(prompt[:, at:], positions_from_mask(prompt_mask)[:, at:],
                                         _head_cache(model, prompt, prompt_mask, head, at),
-                                        causal_mask(prompt_mask, size)[:, at:], mesh)
+                                        causal_mask(prompt_mask, size)[:, at:])
   else:
     hidden, cache = model.hidden_states(prompt, positions_from_mask(prompt_mask),
                                         init_cache(tcfg, b, size, dtype),
