@@ -161,6 +161,7 @@ def floor(folder: pathlib.Path, seconds: float) -> dict:
   from reasoner.data import prompts
   from reasoner.engine.metrics import read_jsonl
   from reasoner.models import gemma, load
+  from reasoner.models.prompt import common_prefix
 
   cfg = load_config(CONFIG, [])
   t = gemma.model_spec(cfg.model, None).tunix_config
@@ -168,15 +169,14 @@ def floor(folder: pathlib.Path, seconds: float) -> dict:
   layers = 2 * t.num_layers * (2 * d * q + 2 * d * kv + 3 * d * t.hidden_dim)
   head = 2 * t.num_embed * d
   count = load.embedded_tokenizer().encode
-  ids = lambda r: count(prompts.render(cfg.data.template, r["question"], r.get("category")),
-                        add_bos=True)
+  ids = lambda r: count(prompts.render_record(cfg.data.template, r), add_bos=True)
   samples = list(read_jsonl(folder / "samples.jsonl"))
   evals = [r for r in samples if r["tag"].startswith("eval-")]  # every set, before and after
   written = sum(len(count(r["completion"])) for r in evals)
   read = 0
   for tag in {r["tag"] for r in evals}:
     rows = [ids(r) for r in evals if r["tag"] == tag]
-    shared = next((i for i, c in enumerate(zip(*rows)) if len(set(c)) > 1), min(map(len, rows)))
+    shared = common_prefix(rows)
     read += shared + sum(len(i) - shared for i in rows)
   flops = {"evaluations": layers * (read + written) + head * written}
   steps = [m for m in read_jsonl(folder / "metrics.jsonl") if "rollout_tokens" in m]

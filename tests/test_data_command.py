@@ -82,8 +82,7 @@ def test_a_jsonl_file_counted_against_the_budgets(tmp_path, capsys):
   assert row(out, "science") == ["science", "0", "1", "0.0%"]
   # prompts (training and held out): PLAIN + 10, 20, 40, 200, 50, 5 bytes, and GENERAL more
   # for the code and science records (their prompt asks for an answer, not a number)
-  p = sorted(PLAIN + n for n in (10, 20, 50)) + [PLAIN + GENERAL + n for n in (40, 200, 5)]
-  p.sort()
+  p = sorted([PLAIN + n for n in (10, 20, 50)] + [PLAIN + GENERAL + n for n in (40, 200, 5)])
   assert p[-1] > 256 >= p[-2]
   assert line(out, "prompt tokens") == (
       f"prompt tokens (training and held out): median {(p[2] + p[3]) / 2:g}, p95 {p[-1]}, "

@@ -85,11 +85,15 @@ def shared_head(ids: list[list[int]], width: int, window: int | None,
   prefill band counts from the query's index in the call, `attention.attention_block`)."""
   if len(ids) < 2 or (window is not None and width > window):
     return 0, 0
-  shortest = min(len(s) for s in ids)
-  common = next((i for i, column in enumerate(zip(*ids)) if len(set(column)) > 1), shortest)
-  head = min(common, shortest - 1) // quantum * quantum
+  head = min(common_prefix(ids), min(len(s) for s in ids) - 1) // quantum * quantum
   tail = -(-(max(len(s) for s in ids) - head) // quantum) * quantum
   return (head, tail) if head and tail < width else (0, 0)
+
+
+def common_prefix(ids: list[list[int]]) -> int:
+  """How many tokens every one of `ids` starts with."""
+  return next((i for i, column in enumerate(zip(*ids)) if len(set(column)) > 1),
+              min(len(s) for s in ids))
 
 
 def _head_cache(model, prompt: jax.Array, prompt_mask: jax.Array, head: int, at: int) -> dict:
