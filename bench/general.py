@@ -2,7 +2,8 @@
 generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
 arithmetic-only run of the same steps and SFT -> GRPO on the same mixture.
 
-    make bench BENCH=general        (python -m bench general; about 90 minutes on 2 cores)
+    make bench BENCH=general        (python -m bench general; about 4 hours on 2 cores: the
+                                     general run 60 min, SFT -> GRPO 88, arithmetic alone 45-80)
 
 Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
 included, so its wall time is `make general`'s and its "before" rows (samples.jsonl) are the
@@ -16,9 +17,14 @@ Changes are paired by question (the standard error of the per-question differenc
 
 Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithmetic alone in
 the mixture: what the mixture costs the arithmetic); `sft_grpo` (SFT on the mixture's arithmetic
-and instructions' written responses, then the preset's GRPO from its LoRA).
-`GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs (default: a temporary folder);
-`GENERAL_ARGS="train.steps=2 ..."` adds overrides to every stage (a quick look, not a figure).
+and instructions' written responses, then the preset's GRPO from its LoRA); and, asked for by
+name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
+samples; what training's own noise, which no paired standard error holds, does to a figure).
+The SFT -> GRPO run's GRPO stage evaluates before it trains too: those rows are SFT alone's
+(`sft_alone` in its figures), so one run gives SFT alone, SFT -> GRPO and, beside them, GRPO
+alone (the general run). `GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs
+(default: a temporary folder); `GENERAL_ARGS="train.steps=2 ..."` adds overrides to every
+stage (a quick look, not a figure).
 
 Goals (issue 54): the general run's prompt-level strict accuracy on new combinations up by at
 least 0.10 and 2 standard errors; its arithmetic within 2 standard errors of the arithmetic-only
@@ -55,7 +61,10 @@ SFT = ["sft.max_response_tokens=96", "optim.learning_rate=1e-4", "optim.warmup_s
 # each run's stages: (command, overrides); `{prev}` is the stage before's folder
 RUNS = {"general": [("train", [])],
         "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
-        "sft_grpo": [("sft", SFT), ("train", [*AFTER_ONLY, "lora.init_from={prev}"])]}
+        "sft_grpo": [("sft", SFT), ("train", ["train.checkpoint_every=1000",
+                                              "lora.init_from={prev}"])],
+        "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])]}
+DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s runs
 
 
 def run(root: pathlib.Path, name: str) -> float:
@@ -87,7 +96,7 @@ def main() -> None:
   from reasoner.evaluation import paired_change
 
   root = pathlib.Path(os.environ.get("GENERAL_DIR") or tempfile.mkdtemp(prefix="general-"))
-  names = [n for n in os.environ.get("GENERAL_RUNS", ",".join(RUNS)).split(",") if n]
+  names = [n for n in os.environ.get("GENERAL_RUNS", ",".join(DEFAULT)).split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     raise SystemExit(f"GENERAL_RUNS: no run {', '.join(unknown)} (runs: {', '.join(RUNS)})")
@@ -102,6 +111,10 @@ def main() -> None:
                                                             for c, o in RUNS[name]],
                              **{s: paired_change(base[s], after[s]) for s in SETS},
                              "by_kind": by_kind(root / name)}
+    if name == "sft_grpo":  # its GRPO stage's evaluation before: the model after SFT alone
+      first = rows(root / name, "before")
+      figures["runs"][name]["sft_alone"] = {**{s: paired_change(base[s], first[s]) for s in SETS},
+                                            "by_kind": by_kind(root / name, "before")}
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
   figures["base"] = {s: {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n": len(rs)}
                      for s, rs in rows(root / "general", "before").items()}
@@ -113,13 +126,24 @@ def main() -> None:
     figures["mixture_vs_arithmetic_only"] = paired_change(
         rows(root / "arithmetic", "after")["arithmetic"],
         rows(root / "general", "after")["arithmetic"])
+  if "general" in figures["runs"] and "seed1" in figures["runs"]:
+    # the same run from another seed, paired by question: training's noise and the evaluation's
+    figures["seed1_vs_general"] = {s: paired_change(rows(root / "general", "after")[s],
+                                                    rows(root / "seed1", "after")[s])
+                                   for s in SETS}
+  if "general" in figures["runs"] and "sft_grpo" in figures["runs"]:
+    # SFT -> GRPO against GRPO alone (the general run), on every set, paired by question
+    figures["sft_grpo_vs_general"] = {s: paired_change(rows(root / "general", "after")[s],
+                                                       rows(root / "sft_grpo", "after")[s])
+                                      for s in SETS}
   _write(figures, root)
 
 
-def by_kind(folder: pathlib.Path) -> dict:
+def by_kind(folder: pathlib.Path, tag: str = "after") -> dict:
   """Each instruction set's pass counts by constraint kind (strict), before (the general run's
-  rows: the base model) and after this run: {set: {kind: [before, after, of]}}; the held-out
-  records regenerated by the run's own loader, matched to the logged rows by question."""
+  rows: the base model) and after this run (its rows under `tag`): {set: {kind: [before,
+  after, of]}}; the held-out records regenerated by the run's own loader, matched to the
+  logged rows by question."""
   from reasoner.config import load_config
   from reasoner.data import sources
   from reasoner.rewards import instructions
@@ -132,7 +156,7 @@ def by_kind(folder: pathlib.Path) -> dict:
     records = {r["question"]: r for r in sources.load_eval_set(s, cfg.data, log=lambda *_: None)}
     counts: dict[str, list[int]] = {}
     for i, tag_rows in enumerate((rows(folder.parent / "general", "before")[s.name],
-                                  rows(folder, "after")[s.name])):
+                                  rows(folder, tag)[s.name])):
       cons = [records[r["question"]]["constraints"] for r in tag_rows]
       strict, _ = instructions.judge([r["completion"] for r in tag_rows], cons)
       for row, passed in zip(cons, strict):
