@@ -126,16 +126,14 @@ def main() -> None:
     figures["mixture_vs_arithmetic_only"] = paired_change(
         rows(root / "arithmetic", "after")["arithmetic"],
         rows(root / "general", "after")["arithmetic"])
-  if "general" in figures["runs"] and "seed1" in figures["runs"]:
-    # the same run from another seed, paired by question: training's noise and the evaluation's
-    figures["seed1_vs_general"] = {s: paired_change(rows(root / "general", "after")[s],
-                                                    rows(root / "seed1", "after")[s])
-                                   for s in SETS}
-  if "general" in figures["runs"] and "sft_grpo" in figures["runs"]:
-    # SFT -> GRPO against GRPO alone (the general run), on every set, paired by question
-    figures["sft_grpo_vs_general"] = {s: paired_change(rows(root / "general", "after")[s],
-                                                       rows(root / "sft_grpo", "after")[s])
-                                      for s in SETS}
+  # against the general run, on every set, paired by question: the same run from another seed
+  # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone
+  others = [n for n in ("seed1", "sft_grpo") if n in figures["runs"]]
+  if "general" in figures["runs"] and others:
+    general = rows(root / "general", "after")
+    for name in others:
+      after = rows(root / name, "after")
+      figures[f"{name}_vs_general"] = {s: paired_change(general[s], after[s]) for s in SETS}
   _write(figures, root)
 
 
