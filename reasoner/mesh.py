@@ -8,7 +8,7 @@ Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
 - Batches and activations: rows over 'fsdp' where they divide evenly, else replicated
   (`batch_placement`, `activation_placement`, `micro_placement`).
 - The KV cache: rows over 'fsdp', KV heads over 'tp' where they divide (`kv_cache_spec`,
-  `slot_major_sharding`); in decoding, rows over 'tp' too where the heads do not
+  `prompt_cache_sharding`, `slot_major_sharding`); in decoding, rows over 'tp' too where the heads do not
   (`attention_over_rows`, `decode_rows`).
 - The chunked head: token chunks over 'fsdp', the vocabulary over 'tp' or over both
   (`vocab_axis`, `vocab_axes`).
@@ -223,11 +223,17 @@ def kv_cache_spec(num_kv_heads: int, mesh: Mesh) -> P:
   return P("fsdp", None, "tp" if tp > 1 and num_kv_heads % tp == 0 else None, None)
 
 
+def prompt_cache_sharding(num_kv_heads: int, mesh: Mesh) -> NamedSharding:
+  """`kv_cache_spec` for the prompt part of Gemma 3's decode cache ([prompts, K, P, H],
+  `models.decode`): prompts over 'fsdp', KV heads over 'tp' where they divide."""
+  rows, slots, heads, dim = kv_cache_spec(num_kv_heads, mesh)
+  return NamedSharding(mesh, P(rows, heads, slots, dim))
+
+
 def slot_major_sharding(num_kv_heads: int, mesh: Mesh,
                         rows: tuple[str, ...] = ("fsdp",)) -> NamedSharding:
-  """`kv_cache_spec` for Gemma 3's slot-major decode cache ([slots, rows, K, H],
-  `models.decode`), its rows over `rows`: the prompt part's prompts over 'fsdp', the new
-  part's rows over `decode_rows`."""
+  """`kv_cache_spec` for the new part of Gemma 3's decode cache ([slots, rows, K, H],
+  `models.decode`), its rows over `rows` (`decode_rows`)."""
   _, slots, heads, dim = kv_cache_spec(num_kv_heads, mesh)
   return NamedSharding(mesh, P(slots, rows if len(rows) > 1 else rows[0],
                                None if "tp" in rows else heads, dim))

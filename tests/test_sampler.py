@@ -115,7 +115,8 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   _, prefill = hidden_states(model, prompt, positions_from_mask(valid),
                                    init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
   slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
-  ours = decode.Cache(decode.from_prefill(prefill, slots),
+  prompts = mesh_lib.prompt_cache_sharding(model.config.num_kv_heads, setup.mesh)
+  ours = decode.Cache(decode.from_prefill(prefill, prompts),
                       decode.empty(model.config, b * g, n, jnp.float32, slots))
   assert {k[0].shape[0] for k in ours.new.values()} == {16}  # rings of the window, not 24
   assert decode.spans(16) == (4, 8, 12, 16)
@@ -134,7 +135,7 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   for name, c in cache.items():
     for prompt_part, new_part, full in zip(ours.prompt[name], ours.new[name], (c["k"], c["v"])):
       real = np.asarray(valid)  # (a padding slot's keys depend on the cache's length)
-      close(np.swapaxes(prompt_part, 0, 1)[real], full[::g, :p][real])  # once, not G times
+      close(np.swapaxes(prompt_part, 1, 2)[real], full[::g, :p][real])  # once, not G times
       close(np.swapaxes(new_part, 0, 1), full[:, [p + t for t in newest]])
 
 
@@ -146,11 +147,11 @@ def test_a_sliding_window_layer_refuses_a_cache_longer_than_its_window(setup):
   valid = jnp.ones((b, p), bool)
   _, prefill = hidden_states(model, jnp.ones((b, p), jnp.int32), positions_from_mask(valid),
                              init_cache(model.config, b, p, jnp.float32), causal_mask(valid))
-  slots = mesh_lib.slot_major_sharding(model.config.num_kv_heads, setup.mesh)
+  prompts = mesh_lib.prompt_cache_sharding(model.config.num_kv_heads, setup.mesh)
   whole = {k: (jnp.zeros((n, b, 1, model.config.head_dim)),) * 2 for k in prefill}
   with pytest.raises(ValueError, match="24 slots, more than its window 16"):
     hidden_states(model, jnp.ones((b, 1), jnp.int32), jnp.full((b, 1), p, jnp.int32),
-                  decode.Cache(decode.from_prefill(prefill, slots), whole), valid,
+                  decode.Cache(decode.from_prefill(prefill, prompts), whole), valid,
                   step=jnp.int32(0))
 
 
@@ -420,7 +421,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   slots = lambda axes: mesh_lib.slot_major_sharding(spec.num_kv_heads, mesh, axes)
   make = jax.jit(lambda: decode.Cache(
       decode.from_prefill(shard_cache(init_cache(spec, prompts, p, jnp.bfloat16), spec, mesh),
-                          slots(("fsdp",))),
+                          mesh_lib.prompt_cache_sharding(spec.num_kv_heads, mesh)),
       decode.empty(spec, rows, n, jnp.bfloat16, slots(axes))))
   compiled, shared = make.lower().compile(), make()
   expected = kv_cache_bytes(spec, prompts, g, p, n, jnp.bfloat16, mesh, True, over_rows)
@@ -434,7 +435,7 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert split == (in_layers(5), sum(in_layers(i) for i in range(5)))  # (global, local)
   heads, rows_here = k.shape[2:], k.shape[0] // (mesh_shape[1] if "tp" in axes else 1)
   assert shared.prompt["layer_0"][0].addressable_shards[0].data.shape == (
-      p, prompts // mesh_shape[0]) + heads
+      prompts // mesh_shape[0], heads[0], p, heads[1])
   assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (8, rows_here) + heads
   assert shared.new["layer_5"][0].addressable_shards[0].data.shape == (n, rows_here) + heads
 

@@ -1,10 +1,13 @@
-"""Gemma 3's one-token decode step on a slot-major KV cache that holds each prompt once.
+"""Gemma 3's one-token decode step on a KV cache that holds each prompt once.
 
 Layout. `Cache.prompt` holds each prompt's keys and values once for its whole group
-([P, prompts, K, H] per layer, written by the prefill); `Cache.new` holds the generated tokens'
-([N, prompts * G, K, H], slot j = each row's j-th new token). Rows are grouped by prompt, so
-row r reads prompt r // G. Against the prompt's cache repeated to the G rows this reads the
-prompt's keys once per group instead of G times, and holds 1 / G of the prompt's bytes.
+([prompts, K, P, H] per layer, written by the prefill); `Cache.new` holds the generated tokens'
+([N, prompts * G, K, H], slot-major: slot j = each row's j-th new token). Rows are grouped by
+prompt, so row r reads prompt r // G. Against the prompt's cache repeated to the G rows this
+reads the prompt's keys once per group instead of G times, and holds 1 / G of the prompt's
+bytes. The prompt part is batch-major because it is only read: the attention dots take their
+batch axes (prompt, head) first, and slot-major it was laid out again by XLA:CPU in every layer
+at every step (a copy of the whole prompt cache twice a step, 23% of an evaluation's time).
 
 Why slot-major. Tunix keeps [B, S, K, H] and writes each step with a `dynamic_update_slice` at
 `end_index`; on XLA:CPU the per-row attention dots ran below matmul speed and the update was
@@ -57,7 +60,7 @@ KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
 
 
 class Cache(NamedTuple):
-  prompt: dict[str, KV]  # [P, prompts, K, H] per layer: each prompt once, read by its G rows
+  prompt: dict[str, KV]  # [prompts, K, P, H] per layer: each prompt once, read by its G rows
   new: dict[str, KV]  # [N, prompts * G, K, H] per layer (a ring of the window's slots in a
   # sliding-window layer): slot j mod ring = each row's j-th new token
 
@@ -71,9 +74,10 @@ def shares_prompt(model) -> bool:
 
 
 def from_prefill(cache: dict, sharding: NamedSharding) -> dict[str, KV]:
-  """Tunix's per-layer {'k', 'v': [B, S, K, H]} -> (k, v) as [S, B, K, H], placed by
-  `sharding` (the sampler's `cache_spec` with its first two axes swapped)."""
-  move = lambda x: jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), sharding)
+  """Tunix's per-layer {'k', 'v': [B, S, K, H]} -> (k, v) as [B, K, S, H], placed by
+  `sharding` (`mesh.prompt_cache_sharding`): the layout the step's attention dots read, batch
+  axes first and each head's slots contiguous, so that no step lays the prompt out again."""
+  move = lambda x: jax.lax.with_sharding_constraint(jnp.swapaxes(x, 1, 2), sharding)
   return {name: (move(c["k"]), move(c["v"])) for name, c in cache.items()}
 
 
@@ -93,7 +97,7 @@ def spans(n: int, parts: int = 4) -> tuple[int, ...]:
 
 def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
   """q [R, 1, N, H], k, v [R, 1, K, H] of R rows in groups of the prompts of `prompt`
-  ([P, b, K, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step` (mod
+  ([b, K, P, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step` (mod
   its length: a ring), and the attention's output [R, 1, N, H]: each row sees its prompt's
   unmasked slots (within `window` of the newest slot in sliding-window layers) and its new
   tokens <= step, all of a ring's once it has wrapped (a ring is at most the window long)."""
@@ -107,15 +111,20 @@ def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
                   for c, a in zip(new, (k, v)))
   keys, values = jax.lax.optimization_barrier((keys, values))  # one in-place update
   pk, pv = prompt
-  p, b = pk.shape[:2]
+  b, kh, p = pk.shape[:3]
   rows, _, n, h = q.shape
-  kh = pk.shape[2]
   g = rows // b
   q = q.reshape(b, g, kh, n // kh, h)
   seen = prompt_mask  # [b, P]; the newest slot is p + step
   if window is not None:
     seen = seen & (jnp.arange(p) > p + step - window)[None]
-  lp = jnp.einsum("bgKGH,SbKH->bgKGS", q, pk)
+  # the prompt's dots as [b, K] batches of canonical matmuls ([gG, H] x [P, H]^T, then
+  # [gG, P] x [P, H]) on the cache as it lies: jnp.einsum put the values first in the second
+  # and XLA:CPU transposed the whole prompt cache for it, in every layer at every step
+  heads = lambda a: jnp.swapaxes(a, 1, 2).reshape(b, kh, g * a.shape[3], a.shape[4])
+  groups = lambda a: jnp.swapaxes(a.reshape(b, kh, g, -1, a.shape[3]), 1, 2)
+  batch = ((0, 1), (0, 1))
+  lp = groups(jax.lax.dot_general(heads(q), pk, (((3,), (3,)), batch)))  # [b, g, K, G, P]
   lp = jnp.where(seen[:, None, None, None, :], lp, gemma3_lib.K_MASK)
 
   def attend(span: int):
@@ -124,7 +133,7 @@ def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
       fresh = jnp.arange(span) <= step  # written (a wrapped ring: every slot)
       ln = jnp.where(fresh, jnp.einsum("bgKGH,SbgKH->bgKGS", q, ks), gemma3_lib.K_MASK)
       probs = jax.nn.softmax(jnp.concatenate([lp, ln], axis=-1), axis=-1).astype(vs.dtype)
-      return (jnp.einsum("bgKGS,SbKH->bgKGH", probs[..., :p], pv)
+      return (groups(jax.lax.dot_general(heads(probs[..., :p]), pv, (((3,), (2,)), batch)))
               + jnp.einsum("bgKGS,SbgKH->bgKGH", probs[..., p:], vs))
     return f
 
@@ -145,11 +154,11 @@ def _over_rows(core, mesh: Mesh, g: int):
     c = q.shape[0]  # this chip's rows: whole groups (c % g == 0) or one group's part
     first, count = jax.lax.axis_index("tp") * c // g, max(1, c // g)
     take = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, first, count, axis)
-    return core(q, k, v, tuple(take(a, 1) for a in prompt), new, step, take(prompt_mask, 0))
+    return core(q, k, v, tuple(take(a, 0) for a in prompt), new, step, take(prompt_mask, 0))
 
   slots = lambda spec: P(None, *spec)
   return jax.shard_map(local, mesh=mesh, check_vma=False,
-                       in_specs=(rows, rows, rows, (slots(block),) * 2, (slots(rows),) * 2, P(),
+                       in_specs=(rows, rows, rows, (block,) * 2, (slots(rows),) * 2, P(),
                                  block),
                        out_specs=((slots(rows),) * 2, rows))
 
@@ -184,7 +193,7 @@ def _attention(attn, x, positions, prompt: KV, new: KV, step, prompt_mask, mesh:
             if attn.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING else None)
   core = functools.partial(_core, window=window)
   if mesh is not None:
-    core = _over_rows(core, mesh, q.shape[0] // prompt[0].shape[1])
+    core = _over_rows(core, mesh, q.shape[0] // prompt[0].shape[0])
   new, encoded = core(q, k, v, prompt, new, step, prompt_mask)
   return new, rows(attn.attn_vec_einsum(encoded))
 

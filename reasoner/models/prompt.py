@@ -71,9 +71,10 @@ def prefill(model, mesh: Mesh, prompt: jax.Array, prompt_mask: jax.Array, g: int
   if not shared:
     rep = lambda x: jnp.repeat(x, g, axis=0)
     return hidden[:, -1], None, shard_cache(jax.tree.map(rep, cache), tcfg, mesh)
-  slots = lambda axes: mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh, axes)
-  return (hidden[:, -1], decode.from_prefill(cache, slots(("fsdp",))),
-          decode.empty(tcfg, b * g, n, dtype, slots(rows)))
+  return (hidden[:, -1],
+          decode.from_prefill(cache, mesh_lib.prompt_cache_sharding(tcfg.num_kv_heads, mesh)),
+          decode.empty(tcfg, b * g, n, dtype,
+                       mesh_lib.slot_major_sharding(tcfg.num_kv_heads, mesh, rows)))
 
 
 def shared_head(ids: list[list[int]], width: int, window: int | None,
