@@ -19,7 +19,9 @@ Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithme
 the mixture: what the mixture costs the arithmetic); `sft_grpo` (SFT on the mixture's arithmetic
 and instructions' written responses, then the preset's GRPO from its LoRA); and, asked for by
 name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
-samples; what training's own noise, which no paired standard error holds, does to a figure).
+samples; what training's own noise, which no paired standard error holds, does to a figure)
+and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
+learning rate 3e-5: more instruction prompts and more varied groups, from two seeds).
 The SFT -> GRPO run's GRPO stage evaluates before it trains too: those rows are SFT alone's
 (`sft_alone` in its figures), so one run gives SFT alone, SFT -> GRPO and, beside them, GRPO
 alone (the general run). `GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs
@@ -58,12 +60,18 @@ SFT = ["sft.max_response_tokens=96", "optim.learning_rate=1e-4", "optim.warmup_s
        "train.steps=32", "train.batch_size=8", "train.eval_before=false", "eval.sets=[]",
        "data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 2}, "
        "{name: instructions, source: instructions, weight: 1, num_eval: 2}]"]
+EXPLORE = ["data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}, "
+           "{name: instructions, source: instructions, weight: 3, num_eval: 8}, "
+           "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]",
+           "rollout.temperature=1.0", "optim.learning_rate=3e-5"]
 # each run's stages: (command, overrides); `{prev}` is the stage before's folder
 RUNS = {"general": [("train", [])],
         "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
         "sft_grpo": [("sft", SFT), ("train", ["train.checkpoint_every=1000",
                                               "lora.init_from={prev}"])],
-        "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])]}
+        "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
+        "explore": [("train", [*AFTER_ONLY, *EXPLORE])],
+        "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])]}
 DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s runs
 
 
@@ -128,7 +136,7 @@ def main() -> None:
         rows(root / "general", "after")["arithmetic"])
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone
-  others = [n for n in ("seed1", "sft_grpo") if n in figures["runs"]]
+  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1") if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")
     for name in others:
