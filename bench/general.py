@@ -135,7 +135,8 @@ def main() -> None:
         rows(root / "arithmetic", "after")["arithmetic"],
         rows(root / "general", "after")["arithmetic"])
   # against the general run, on every set, paired by question: the same run from another seed
-  # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone
+  # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
+  # against the preset
   others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1") if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")

@@ -8,8 +8,8 @@ Axes: 'fsdp' (data parallel + parameter sharding) and 'tp' (tensor parallel).
 - Batches and activations: rows over 'fsdp' where they divide evenly, else replicated
   (`batch_placement`, `activation_placement`, `micro_placement`).
 - The KV cache: rows over 'fsdp', KV heads over 'tp' where they divide (`kv_cache_spec`,
-  `prompt_cache_sharding`, `slot_major_sharding`); in decoding, rows over 'tp' too where the heads do not
-  (`attention_over_rows`, `decode_rows`).
+  `prompt_cache_sharding`, `slot_major_sharding`); in decoding, rows over 'tp' too where the
+  heads do not (`attention_over_rows`, `decode_rows`).
 - The chunked head: token chunks over 'fsdp', the vocabulary over 'tp' or over both
   (`vocab_axis`, `vocab_axes`).
 - Decoding (`rollout.layout`): the same devices as rows x tp (`decode_mesh`), each parameter

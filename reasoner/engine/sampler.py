@@ -1,8 +1,8 @@
 """Batched sampling for rollouts and evaluation: one prefill per prompt, one `lax.while_loop`.
 
 The G completions of a prompt share its prefill: the prompt's KV cache is computed once. Gemma 3
-decodes with `models.decode`, which keeps it once for the group; Gemma 2
-repeats it to the G rows and decodes with Tunix's layers.
+decodes with `models.decode`, which keeps it once for the group; Gemma 2 repeats it to the G
+rows and decodes with Tunix's layers.
 Decoding stops when every row is done (a stop token or stop sequence), or after
 `max_new_tokens` (the cache is sized prompt + max_new_tokens, so it cannot overflow).
 No [rows, prompt, V] logits are formed; greedy and top-k sampling take the top-k in two stages

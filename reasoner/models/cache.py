@@ -2,8 +2,8 @@
 masks and positions over left-padded rows, its placement and its bytes a chip. Gemma 3's
 shared-prompt decode cache is `models.decode.Cache`; its sliding-window layers keep
 a ring of their window's new tokens (`new_slots`). Partition rules (rows over 'fsdp', KV heads
-over 'tp' where they divide) are `mesh.kv_cache_spec`,
-`mesh.prompt_cache_sharding` and `mesh.slot_major_sharding`."""
+over 'tp' where they divide) are `mesh.kv_cache_spec`, `mesh.prompt_cache_sharding` and
+`mesh.slot_major_sharding`."""
 
 from __future__ import annotations
 

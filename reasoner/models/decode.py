@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from reasoner import mesh as mesh_lib
 from reasoner.models.cache import new_slots
 
-KV = tuple[jax.Array, jax.Array]  # keys, values: [S, B, K, H] each
+KV = tuple[jax.Array, jax.Array]  # keys, values: [B, K, P, H] (prompt) or [N, B, K, H] (new)
 
 
 class Cache(NamedTuple):
