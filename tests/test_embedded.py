@@ -18,7 +18,7 @@ from conftest import ROOT
 from reasoner import mesh as mesh_lib
 from reasoner.engine import heads
 from reasoner.config import MeshConfig, ModelConfig
-from reasoner.models import gemma, load
+from reasoner.models import gemma, load, tokenizer
 from reasoner.models.cache import causal_mask, positions_from_mask
 
 # models built or whole runs started: `make test`, not `make check`
@@ -42,6 +42,26 @@ def test_tokenizer_ids(ckpt):
   assert tok.encode("12") == [236770, 236778]  # digits are split
   text = "Hello  world,\n\ttabs and   spaces: 3.14 <answer>7</answer>"
   assert tok.decode(tok.encode(text)) == text
+
+
+def test_the_answer_stop_matches_every_way_gemma_writes_it(ckpt):
+  """'.</answer>' is '.</' 'answer' '>' in Gemma's BPE: the ids of '</answer>' alone never end
+  such a completion (before this test, 44 of 90 closed instruction answers ran on past it)."""
+  tok = ckpt.tokenizer()
+  pattern = tokenizer.stop_pattern(tok, "</answer>")
+  assert tok.encode("</answer>") == [954, 14433, 236813] and len(pattern) == 3
+  for text in ("7</answer>", "you.</answer>", "(a)</answer>", "done!</answer>", "x</answer>>",
+               "Why? </answer>\n\nQuestion:"):
+    ids = tok.encode(text)
+    ends = [k for k in range(3, len(ids) + 1)
+            if all(i in p for i, p in zip(ids[k - 3:k], pattern))]
+    assert ends and tok.decode(ids[:ends[0]]).rstrip(">").endswith("</answer"), text
+  assert 9047 in pattern[0] and all(tok.texts()[i].endswith("</") for i in pattern[0])
+  assert pattern[1] == (14433,) and all(tok.texts()[i].startswith(">") for i in pattern[2])
+  for text in ("<answer>7", "</reasoning>", "answer>", "</ answer>"):  # no stop before its end
+    ids = tok.encode(text)
+    assert not any(all(i in p for i, p in zip(ids[k - 3:k], pattern))
+                   for k in range(3, len(ids) + 1)), text
 
 
 def test_the_tokenizer_is_kept_beside_the_gguf(ckpt, tmp_path, monkeypatch):

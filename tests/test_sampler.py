@@ -15,6 +15,7 @@ from reasoner.build import build
 from reasoner.models import decode, gemma
 from reasoner.config import MeshConfig
 from reasoner.models.cache import causal_mask, init_cache, positions_from_mask
+from reasoner.engine import sampler as sampler_lib
 from reasoner.engine.sampler import Sampler, SamplingConfig, next_token, sample_token
 from reasoner.objectives.grpo import GRPOTrainer as Trainer
 
@@ -275,6 +276,30 @@ def test_stop_token_and_stop_sequence_end_rows_early(setup):
   c2, _, _ = sampler.sample((setup.lora, setup.base), ["Q: 5?"], jax.random.PRNGKey(0), by_seq)
   assert c2.mask[0].sum() <= 4 and c2.tokens[0, :4].tolist()[:c2.mask[0].sum()] == \
       toks[:c2.mask[0].sum()]
+  # a position may allow several ids ('.</' as well as '</'): one of them there is enough
+  other = next(i for i in range(3, 200) if i not in toks)
+  for first, stops in (((other, toks[2]), True), ((other,), False)):
+    by_way = SamplingConfig(max_new_tokens=6, temperature=0.0,
+                            stop_sequences=((first, toks[3]),))
+    c3, _, _ = sampler.sample((setup.lora, setup.base), ["Q: 5?"], jax.random.PRNGKey(0), by_way)
+    assert (c3.mask[0].sum() < 6) == stops and (c3.mask[0].sum() == c2.mask[0].sum()) == stops
+
+
+def test_a_stop_hit_equals_its_dense_reading():
+  """`_stop_hit` on random tails against reading each row's tail in Python."""
+  seqs = (((5, 6), 7, (8, 9, 10)), (11,), (3, 4))
+  cfg = SamplingConfig(max_new_tokens=4, stop_ids=(2,), stop_sequences=seqs)
+  stops = sampler_lib._stops(cfg)
+  tails = np.random.default_rng(0).integers(-1, 13, (4000, stops[1].shape[1])).astype(np.int32)
+  tails[:50, -3:] = [6, 7, 9]  # a few sure hits
+  got = np.asarray(sampler_lib._stop_hit(jnp.asarray(tails[:, -1]), jnp.asarray(tails), *stops))
+
+  def ends(tail, seq):
+    return all(t in ((p,) if isinstance(p, int) else p)
+               for t, p in zip(tail[len(tail) - len(seq):], seq))
+
+  want = [t[-1] == 2 or any(ends(list(t), q) for q in seqs) for t in tails]
+  assert got.tolist() == want and 50 < sum(want) < 4000
 
 
 def test_one_device_and_eight_devices_agree(setup):

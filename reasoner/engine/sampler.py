@@ -34,6 +34,7 @@ from reasoner.engine.layout import decode_layout
 from reasoner.errors import DataError
 from reasoner.models import decode, gemma
 from reasoner.models.prompt import prefill, prompt_layout, shared_head
+from reasoner.models.tokenizer import stop_pattern
 
 log = logging.getLogger("reasoner")
 
@@ -52,7 +53,9 @@ class SamplingConfig:
   top_k: int | None = None
   top_p: float | None = None
   stop_ids: tuple[int, ...] = ()
-  stop_sequences: tuple[tuple[int, ...], ...] = ()  # e.g. the ids of '</answer>'
+  # each a sequence of positions, a position an id or the ids that may stand there
+  # (`tokenizer.stop_pattern`: '</answer>' after '.</' as after '</')
+  stop_sequences: tuple[tuple[int | tuple[int, ...], ...], ...] = ()
   pad_id: int = 0
   # Vocabulary rows per block of the sampling head (greedy and top-k): [rows, vocab_chunk]
   # logits at a time instead of [rows, V]. None: one block, the faster on the CPU.
@@ -70,7 +73,7 @@ class SamplingConfig:
         max_new_tokens=cfg.eval.max_new_tokens if greedy else r.max_new_tokens,
         temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
         top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
-        stop_sequences=(tuple(tokenizer.encode("</answer>")),), pad_id=tokenizer.pad_id,
+        stop_sequences=(stop_pattern(tokenizer, "</answer>"),), pad_id=tokenizer.pad_id,
         logprob_temperature=1.0 if greedy else logprob_temperature(cfg))
 
 
@@ -140,22 +143,26 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
 
 
 def _stops(cfg: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The stop criteria as arrays: the stop ids, and the stop sequences right-aligned in a
-  [S, L] table with a mask of the positions that count."""
-  seqs = list(cfg.stop_sequences) or [()]
+  """The stop criteria as arrays: the stop ids, and the stop sequences right-aligned in an
+  [S, L, M] table of the ids each position allows (-2 pads: no token, nor the tail's start -1)
+  with an [S, L] mask of the positions that count."""
+  seqs = [[(p,) if isinstance(p, int) else tuple(p) for p in s] for s in cfg.stop_sequences]
+  seqs = seqs or [[]]
   width = max(1, max(len(s) for s in seqs))
-  table = np.full((len(seqs), width), -1, np.int32)
+  ways = max([1, *(len(p) for s in seqs for p in s)])
+  table = np.full((len(seqs), width, ways), -2, np.int32)
   valid = np.zeros((len(seqs), width), bool)
   for i, s in enumerate(seqs):
-    if s:
-      table[i, width - len(s):] = s
-      valid[i, width - len(s):] = True
+    for j, p in enumerate(s, start=width - len(s)):
+      table[i, j, :len(p)] = p
+      valid[i, j] = True
   return jnp.asarray(cfg.stop_ids or (-1,), jnp.int32), jnp.asarray(table), jnp.asarray(valid)
 
 
 def _stop_hit(tok, tail, stop_ids, table, table_valid) -> jax.Array:
   """[rows] bool: the token is a stop id, or the last tokens (`tail`) end a stop sequence."""
-  seq_hit = jnp.all((tail[:, None, :] == table[None]) | ~table_valid[None], axis=-1)
+  at = jnp.any(tail[:, None, :, None] == table[None], axis=-1)  # [rows, S, L]
+  seq_hit = jnp.all(at | ~table_valid[None], axis=-1)
   seq_hit = jnp.any(seq_hit & jnp.any(table_valid, axis=-1)[None], axis=-1)
   return jnp.any(tok[:, None] == stop_ids[None], axis=-1) | seq_hit
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, Sequence
 
 import sentencepiece as spm
@@ -21,6 +22,25 @@ class Tokenizer(Protocol):
   def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+  def texts(self) -> Sequence[str]: ...  # each id's text alone
+
+
+@functools.lru_cache(maxsize=16)
+def stop_pattern(tokenizer: Tokenizer, text: str) -> tuple[tuple[int, ...], ...]:
+  """The tokens that can end a completion with `text`, position by position: `text`'s own
+  tokens, the first widened to every token whose text ends with the first's and the last to
+  every token whose text starts with the last's. BPE merges across the edges: Gemma writes
+  '.</answer>' as '.</' 'answer' '>', and the ids of '</answer>' alone never match it."""
+  ids, texts = tokenizer.encode(text), tokenizer.texts()
+  if not ids:
+    raise ValueError(f"a stop text that encodes to no tokens: {text!r}")
+  if len(ids) == 1:
+    return (tuple(i for i, t in enumerate(texts) if text in t),)
+  first, last = texts[ids[0]], texts[ids[-1]]  # a piece of a character (a byte): itself alone
+  return (tuple(i for i, t in enumerate(texts) if t.endswith(first)) if first else tuple(ids[:1]),
+          *((i,) for i in ids[1:-1]),
+          tuple(i for i, t in enumerate(texts) if t.startswith(last)) if last else tuple(ids[-1:]))
 
 
 class SentencePieceTokenizer:
@@ -54,6 +74,11 @@ class SentencePieceTokenizer:
 
   def piece(self, i: int) -> str:
     return self._sp.IdToPiece(int(i))
+
+  @functools.cache
+  def texts(self) -> list[str]:
+    """Each id's piece as text ('▁' a space); byte and control pieces as written."""
+    return [p.replace("\u2581", " ") for p in self._sp.id_to_piece(list(range(self.vocab_size)))]
 
 
 def sentencepiece_from_vocab(tokens: Sequence[str], scores: Sequence[float],
@@ -107,3 +132,6 @@ class ByteTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(int(i) - 3 for i in ids if 3 <= int(i) < 259).decode("utf-8", errors="replace")
+
+  def texts(self) -> list[str]:
+    return ["", "", "", *(chr(b) if b < 128 else "" for b in range(256))]
