@@ -2,8 +2,9 @@
 generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
 arithmetic-only run of the same steps and SFT -> GRPO on the same mixture.
 
-    make bench BENCH=general        (python -m bench general; about 4 hours on 2 cores: the
-                                     general run 60 min, SFT -> GRPO 88, arithmetic alone 45-80)
+    make bench BENCH=general        (python -m bench general; 2 to 4 hours on 2 cores: the
+                                     general run 35 to 60 min, SFT -> GRPO 88, arithmetic alone
+                                     45-80; `long` 80 min)
 
 Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
 included, so its wall time is `make general`'s and its "before" rows (samples.jsonl) are the
@@ -21,7 +22,9 @@ and instructions' written responses, then the preset's GRPO from its LoRA); and,
 name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
 samples; what training's own noise, which no paired standard error holds, does to a figure)
 and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
-learning rate 3e-5: more instruction prompts and more varied groups, from two seeds).
+learning rate 3e-5: more instruction prompts and more varied groups, from two seeds), and
+`long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
+the instructions need more steps than the preset's 25 minutes hold?).
 The SFT -> GRPO run's GRPO stage evaluates before it trains too: those rows are SFT alone's
 (`sft_alone` in its figures), so one run gives SFT alone, SFT -> GRPO and, beside them, GRPO
 alone (the general run). `GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs
@@ -71,7 +74,8 @@ RUNS = {"general": [("train", [])],
                                               "lora.init_from={prev}"])],
         "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
         "explore": [("train", [*AFTER_ONLY, *EXPLORE])],
-        "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])]}
+        "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])],
+        "long": [("train", [*AFTER_ONLY, *EXPLORE, "train.steps=64", "train.eval_every=32"])]}
 DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s runs
 
 
@@ -119,6 +123,9 @@ def main() -> None:
                                                             for c, o in RUNS[name]],
                              **{s: paired_change(base[s], after[s]) for s in SETS},
                              "by_kind": by_kind(root / name)}
+    if name == "long":  # its evaluation half-way
+      mid = rows(root / name, "step-32")
+      figures["runs"][name]["at_32"] = {s: paired_change(base[s], mid[s]) for s in SETS}
     if name == "sft_grpo":  # its GRPO stage's evaluation before: the model after SFT alone
       first = rows(root / name, "before")
       figures["runs"][name]["sft_alone"] = {**{s: paired_change(base[s], first[s]) for s in SETS},
@@ -137,7 +144,8 @@ def main() -> None:
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
   # against the preset
-  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1") if n in figures["runs"]]
+  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1", "long")
+            if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")
     for name in others:
