@@ -50,18 +50,20 @@ def test_the_answer_stop_matches_every_way_gemma_writes_it(ckpt):
   tok = ckpt.tokenizer()
   pattern = tokenizer.stop_pattern(tok, "</answer>")
   assert tok.encode("</answer>") == [954, 14433, 236813] and len(pattern) == 3
+
+  def stops_at(ids):  # every k where ids[:k] ends in the pattern
+    return [k for k in range(3, len(ids) + 1)
+            if all(i in p for i, p in zip(ids[k - 3:k], pattern))]
+
   for text in ("7</answer>", "you.</answer>", "(a)</answer>", "done!</answer>", "x</answer>>",
                "Why? </answer>\n\nQuestion:"):
     ids = tok.encode(text)
-    ends = [k for k in range(3, len(ids) + 1)
-            if all(i in p for i, p in zip(ids[k - 3:k], pattern))]
+    ends = stops_at(ids)
     assert ends and tok.decode(ids[:ends[0]]).rstrip(">").endswith("</answer"), text
   assert 9047 in pattern[0] and all(tok.texts()[i].endswith("</") for i in pattern[0])
   assert pattern[1] == (14433,) and all(tok.texts()[i].startswith(">") for i in pattern[2])
   for text in ("<answer>7", "</reasoning>", "answer>", "</ answer>"):  # no stop before its end
-    ids = tok.encode(text)
-    assert not any(all(i in p for i, p in zip(ids[k - 3:k], pattern))
-                   for k in range(3, len(ids) + 1)), text
+    assert not stops_at(tok.encode(text)), text
 
 
 def test_the_tokenizer_is_kept_beside_the_gguf(ckpt, tmp_path, monkeypatch):
