@@ -224,8 +224,9 @@ def kv_cache_spec(num_kv_heads: int, mesh: Mesh) -> P:
 
 
 def prompt_cache_sharding(num_kv_heads: int, mesh: Mesh) -> NamedSharding:
-  """`kv_cache_spec` for the prompt part of Gemma 3's decode cache ([prompts, K, P, H],
-  `models.decode`): prompts over 'fsdp', KV heads over 'tp' where they divide."""
+  """`kv_cache_spec` for the prompt part of Gemma 3's decode cache (keys [prompts, K, H, P],
+  values [prompts, K, P, H], `models.decode`): prompts over 'fsdp', KV heads over 'tp' where
+  they divide; the last two axes whole, so one sharding places both."""
   rows, slots, heads, dim = kv_cache_spec(num_kv_heads, mesh)
   return NamedSharding(mesh, P(rows, heads, slots, dim))
 

@@ -134,9 +134,10 @@ def test_shared_prompt_decode_equals_tunix_on_the_repeated_cache(setup):
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5)
   newest = [steps - 1 - (steps - 1 - j) % 16 for j in range(16)]  # the token in ring slot j
   for name, c in cache.items():
-    for prompt_part, new_part, full in zip(ours.prompt[name], ours.new[name], (c["k"], c["v"])):
+    for prompt_part, new_part, full, order in zip(ours.prompt[name], ours.new[name],
+                                                  (c["k"], c["v"]), ((0, 3, 1, 2), (0, 2, 1, 3))):
       real = np.asarray(valid)  # (a padding slot's keys depend on the cache's length)
-      close(np.swapaxes(prompt_part, 1, 2)[real], full[::g, :p][real])  # once, not G times
+      close(np.transpose(prompt_part, order)[real], full[::g, :p][real])  # once, not G times
       close(np.swapaxes(new_part, 0, 1), full[:, [p + t for t in newest]])
 
 
@@ -460,6 +461,8 @@ def test_kv_cache_estimate_matches_the_compiled_per_chip_bytes(kv_heads, mesh_sh
   assert split == (in_layers(5), sum(in_layers(i) for i in range(5)))  # (global, local)
   heads, rows_here = k.shape[2:], k.shape[0] // (mesh_shape[1] if "tp" in axes else 1)
   assert shared.prompt["layer_0"][0].addressable_shards[0].data.shape == (
+      prompts // mesh_shape[0], heads[0], heads[1], p)  # keys [.., H, P]
+  assert shared.prompt["layer_0"][1].addressable_shards[0].data.shape == (
       prompts // mesh_shape[0], heads[0], p, heads[1])
   assert shared.new["layer_0"][0].addressable_shards[0].data.shape == (8, rows_here) + heads
   assert shared.new["layer_5"][0].addressable_shards[0].data.shape == (n, rows_here) + heads
