@@ -294,3 +294,17 @@ def test_exact_topk_equals_lax_top_k(n, k):
   want_vals, want_ids = jax.lax.top_k(z, k)
   np.testing.assert_array_equal(vals, want_vals)
   np.testing.assert_array_equal(ids, want_ids)
+
+
+@pytest.mark.parametrize("normaliser", [True, False])
+def test_split_vocab_topk_matches_one_chip(normaliser):
+  """The vocabulary over tp = 4 (rows over fsdp = 2): the same top-k and log-sum-exp as one
+  chip's head; without the normaliser, the same top-k and zeros."""
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tp"))
+  h, e, *_ = problem(2, 4, v=96)
+  h = h.reshape(-1, h.shape[-1])
+  vals, ids, lse = topk.split_vocab_topk(h, e, 5, None, 30.0, 0.7, mesh, normaliser=normaliser)
+  want_vals, want_ids, want_lse = topk.vocab_topk(h, e, 5, None, 30.0, 0.7)
+  np.testing.assert_allclose(vals, want_vals, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(lse, want_lse if normaliser else np.zeros(8), rtol=1e-6, atol=1e-6)

@@ -262,6 +262,11 @@ def test_next_token_equals_dense(cfg, softcap, vocab, vocab_chunk):
       np.testing.assert_array_equal(tok, want)
       np.testing.assert_allclose(
           logp, jax.nn.log_softmax(z / temperature)[jnp.arange(6), want], atol=1e-5)
+    if cfg.temperature == 0 or cfg.top_k is not None:  # the heads that can skip the normaliser
+      tok, logp = next_token(h, emb, key, dataclasses.replace(
+          cfg, vocab_chunk=vocab_chunk, logprobs=False), softcap)
+      np.testing.assert_array_equal(tok, want)
+      np.testing.assert_array_equal(logp, np.zeros(6, np.float32))
 
 
 def test_stop_token_and_stop_sequence_end_rows_early(setup):

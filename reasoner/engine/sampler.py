@@ -62,11 +62,14 @@ class SamplingConfig:
   vocab_chunk: int | None = None
   # T of the log-probs returned, softmax(z / T); None: the sampling temperature (1 if greedy).
   logprob_temperature: float | None = None
+  # False: no log-probs (zeros), the head's log-sum-exp not computed (greedy or top-k; an
+  # evaluation, which reads the texts alone)
+  logprobs: bool = True
 
   @classmethod
   def for_run(cls, cfg: Config, tokenizer, greedy: bool) -> "SamplingConfig":
-    """A run's rollouts (`rollout.*`) or, `greedy`, its evaluation (`eval.max_new_tokens`):
-    stopping at the tokenizer's end of sequence or of turn, or after '</answer>'."""
+    """A run's rollouts (`rollout.*`) or, `greedy`, its evaluation (`eval.max_new_tokens`, no
+    log-probs): stopping at the tokenizer's end of sequence or of turn, or after '</answer>'."""
     stops = tuple(i for i in (tokenizer.eos_id, tokenizer.end_of_turn_id) if i is not None)
     r = cfg.rollout
     return cls(
@@ -74,7 +77,7 @@ class SamplingConfig:
         temperature=0.0 if greedy else r.temperature, top_k=None if greedy else r.top_k,
         top_p=None if greedy else r.top_p, vocab_chunk=r.vocab_chunk, stop_ids=stops,
         stop_sequences=(stop_pattern(tokenizer, "</answer>"),), pad_id=tokenizer.pad_id,
-        logprob_temperature=1.0 if greedy else logprob_temperature(cfg))
+        logprob_temperature=1.0 if greedy else logprob_temperature(cfg), logprobs=not greedy)
 
 
 class Completions(NamedTuple):
@@ -116,7 +119,8 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
                softcap: float | None = None, split: Mesh | None = None
                ) -> tuple[jax.Array, jax.Array]:
   """[B, D] final hidden states -> [B] sampled ids and their log-probs under softmax(logits /
-  T): T `cfg.logprob_temperature`, by default the sampling temperature (1 when greedy).
+  T): T `cfg.logprob_temperature`, by default the sampling temperature (1 when greedy); zeros
+  where `cfg.logprobs` is False (greedy and top-k only: the dense path computes them).
 
   Greedy and top-k sampling go through `topk.vocab_topk` (a two-stage top-k, the
   log-normaliser from its maximum, and with `cfg.vocab_chunk` vocabulary blocks so that no
@@ -128,13 +132,15 @@ def next_token(hidden: jax.Array, emb: jax.Array, key: jax.Array, cfg: SamplingC
   t = cfg.logprob_temperature or cfg.temperature or 1.0
   if cfg.temperature == 0 or cfg.top_k is not None:
     k = 1 if cfg.temperature == 0 else cfg.top_k
-    vals, ids, lse = (topk.split_vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t, split)
+    vals, ids, lse = (topk.split_vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t, split,
+                                            normaliser=cfg.logprobs)
                       if split is not None else
-                      topk.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t))  # z / t
+                      topk.vocab_topk(hidden, emb, k, cfg.vocab_chunk, softcap, t,
+                                      normaliser=cfg.logprobs))  # z / t
     pos = (jnp.zeros(hidden.shape[:1], jnp.int32) if cfg.temperature == 0
            else _pick(vals if t == cfg.temperature else vals * (t / cfg.temperature), key, cfg))
     take = lambda x: jnp.take_along_axis(x, pos[:, None], axis=-1)[:, 0]
-    return take(ids), take(vals) - lse
+    return take(ids), (take(vals) - lse) if cfg.logprobs else lse  # lse: zeros
   z = heads.logits(hidden, emb, softcap)
   tok = sample_token(z, key, cfg)
   z = z / t

@@ -43,14 +43,19 @@ def exact_topk(z: jax.Array, k: int, group: int = 64) -> tuple[jax.Array, jax.Ar
 
 
 def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
-               softcap: float | None = None, temperature: float = 1.0):
+               softcap: float | None = None, temperature: float = 1.0,
+               normaliser: bool = True):
   """[C, D] -> top-k logits / T (descending), their ids, log-sum-exp of logits / T; over
   vocabulary blocks of `vocab_chunk` rows when asked (a running top-k and an online
-  log-sum-exp), so no [C, V] array is formed. The sampler's head at each decoding step."""
+  log-sum-exp), so no [C, V] array is formed. The sampler's head at each decoding step.
+  `normaliser` False: zeros for the log-sum-exp, which is not computed (a greedy decode that
+  returns no log-probs: the exp over every logit is 6% of an evaluation's decode here)."""
   v = emb.shape[0]
   if vocab_chunk is None or vocab_chunk >= v:
     z = logits(h.astype(emb.dtype), emb, softcap, temperature)
     vals, idx = exact_topk(z, k)
+    if not normaliser:
+      return vals, idx, jnp.zeros(z.shape[:1], jnp.float32)
     # Its own max pass, not vals[..., 0] (the same value): on XLA:CPU the log-sum-exp that
     # waits on the top-k made the head 1.3-1.6x slower (32 and 128 rows of 262,144).
     m = jnp.max(z, axis=-1)
@@ -66,6 +71,8 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
     z = jnp.where(ids[None] < v, z, -jnp.inf)  # padding rows never win
     bv, bi = exact_topk(z, min(k, vocab_chunk))
     vals, idx = _merge_topk(vals, idx, bv, ids[bi], k)
+    if not normaliser:
+      return (vals, idx, m, s), None
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))  # as in one block
     s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
     return (vals, idx, m_new, s), None
@@ -74,32 +81,34 @@ def vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
   init = (jnp.full((c, k), -jnp.inf, jnp.float32), jnp.zeros((c, k), jnp.int32),
           jnp.full((c,), -jnp.inf, jnp.float32), jnp.zeros((c,), jnp.float32))
   (vals, idx, m, s), _ = jax.lax.scan(body, init, (blocks, jnp.arange(nb, dtype=jnp.int32)))
-  return vals, idx, m + jnp.log(s)
+  return vals, idx, (m + jnp.log(s)) if normaliser else s
 
 
 def split_vocab_topk(h: jax.Array, emb: jax.Array, k: int, vocab_chunk: int | None,
                      softcap: float | None, temperature: float, mesh: Mesh,
-                     axes: tuple[str, ...] = ("tp",), rows: str | None | bool = True):
+                     axes: tuple[str, ...] = ("tp",), rows: str | None | bool = True,
+                     normaliser: bool = True):
   """`vocab_topk` with the vocabulary split over the mesh's `axes` (the decode layouts'
   embedding over 'tp'): each chip scores its slice of the vocabulary for its rows and keeps its
   top-k and log-sum-exp; one all-gather over `axes` moves rows x (2k + 1) x chips numbers, never
   a vocabulary-sized array, and every chip merges them into the same top-k (chips in vocabulary
   order: ties resolve to the lower id as on one chip) and log-sum-exp. `rows`: the rows' axis
-  (True: `mesh.row_axis`; None: every chip takes every row)."""
+  (True: `mesh.row_axis`; None: every chip takes every row). `normaliser`: as `vocab_topk`."""
   n = math.prod(mesh.shape[a] for a in axes)
   rows = mesh_lib.row_axis(mesh, h.shape[0]) if rows is True else rows
   part = emb.shape[0] // n
   name = axes if len(axes) > 1 else axes[0]
 
   def local(h, e):
-    vals, ids, lse = vocab_topk(h, e, k, vocab_chunk, softcap, temperature)
+    vals, ids, lse = vocab_topk(h, e, k, vocab_chunk, softcap, temperature, normaliser)
     ids = ids + jax.lax.axis_index(name) * part  # ids < 2^24: exact as float32
     packed = jnp.concatenate([vals, ids.astype(jnp.float32), lse[:, None]], axis=-1)
     every = jax.lax.all_gather(packed, name, axis=1, tiled=True)  # [rows, n * (2k + 1)]
     every = every.reshape(h.shape[0], n, 2 * k + 1)
     top, pos = jax.lax.top_k(every[..., :k].reshape(h.shape[0], -1), k)
     cand = every[..., k:2 * k].reshape(h.shape[0], -1).astype(jnp.int32)
-    return top, jnp.take_along_axis(cand, pos, axis=-1), jax.nn.logsumexp(every[..., -1], -1)
+    lse = jax.nn.logsumexp(every[..., -1], -1) if normaliser else every[:, 0, -1]  # zeros
+    return top, jnp.take_along_axis(cand, pos, axis=-1), lse
 
   return jax.shard_map(local, mesh=mesh, in_specs=(P(rows, None), P(name, None)),
                        out_specs=(P(rows, None), P(rows, None), P(rows)), check_vma=False)(h, emb)
