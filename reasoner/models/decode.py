@@ -2,11 +2,10 @@
 
 Layout. `Cache.prompt` holds each prompt's keys and values once for its whole group (per
 layer keys [prompts, K, H, P] and values [prompts, K, P, H], written by the prefill);
-`Cache.new` holds the generated tokens'
-([N, prompts * G, K, H], slot-major: slot j = each row's j-th new token). Rows are grouped by
-prompt, so row r reads prompt r // G. Against the prompt's cache repeated to the G rows this
-reads the prompt's keys once per group instead of G times, and holds 1 / G of the prompt's
-bytes. The prompt part is batch-major because it is only read: the attention dots take their
+`Cache.new` holds the generated tokens' ([N, prompts * G, K, H], slot-major: slot j = each
+row's j-th new token). Rows are grouped by prompt, so row r reads prompt r // G. Against the
+prompt's cache repeated to the G rows this reads the prompt's keys once per group instead of G
+times, and holds 1 / G of the prompt's bytes. The prompt part is batch-major because it is only read: the attention dots take their
 batch axes (prompt, head) first, and slot-major it was laid out again by XLA:CPU in every layer
 at every step (a copy of the whole prompt cache twice a step, 23% of an evaluation's time).
 Its keys lie transposed, [H, P] a head, so that both of its dots are plain [M, K] x [K, N]
@@ -105,10 +104,11 @@ def spans(n: int, parts: int = 4) -> tuple[int, ...]:
 
 def _core(q, k, v, prompt: KV, new: KV, step, prompt_mask, window: int | None):
   """q [R, 1, N, H], k, v [R, 1, K, H] of R rows in groups of the prompts of `prompt`
-  (keys [b, K, H, P], values [b, K, P, H]; prompt_mask [b, P]) -> the cache's new part with k, v at slot `step` (mod
-  its length: a ring), and the attention's output [R, 1, N, H]: each row sees its prompt's
-  unmasked slots (within `window` of the newest slot in sliding-window layers) and its new
-  tokens <= step, all of a ring's once it has wrapped (a ring is at most the window long)."""
+  (keys [b, K, H, P], values [b, K, P, H]; prompt_mask [b, P]) -> the cache's new part with k,
+  v at slot `step` (mod its length: a ring), and the attention's output [R, 1, N, H]: each row
+  sees its prompt's unmasked slots (within `window` of the newest slot in sliding-window
+  layers) and its new tokens <= step, all of a ring's once it has wrapped (a ring is at most
+  the window long)."""
   from tunix.models.gemma3 import model as gemma3_lib
 
   ring = new[0].shape[0]
