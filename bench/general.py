@@ -125,16 +125,16 @@ def main() -> None:
     figures["runs"][name] = {"seconds": seconds, "stages": [" ".join((c, *o))
                                                             for c, o in RUNS[name]],
                              **{s: paired_change(base[s], after[s]) for s in SETS},
-                             "followed": followed(root / name), "by_kind": by_kind(root / name)}
+                             **instruction_figures(root / name)}
     if name == "long":  # its evaluation half-way
       mid = rows(root / name, "step-32")
-      figures["runs"][name]["at_32"] = {**{s: paired_change(base[s], mid[s]) for s in SETS},
-                                        "followed": followed(root / name, "step-32")}
+      figures["runs"][name]["at_32"] = {
+          **{s: paired_change(base[s], mid[s]) for s in SETS},
+          "followed": instruction_figures(root / name, "step-32")["followed"]}
     if name == "sft_grpo":  # its GRPO stage's evaluation before: the model after SFT alone
       first = rows(root / name, "before")
       figures["runs"][name]["sft_alone"] = {**{s: paired_change(base[s], first[s]) for s in SETS},
-                                            "followed": followed(root / name, "before"),
-                                            "by_kind": by_kind(root / name, "before")}
+                                            **instruction_figures(root / name, "before")}
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
   figures["base"] = {s: {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n": len(rs)}
                      for s, rs in rows(root / "general", "before").items()}
@@ -179,40 +179,30 @@ def _judged(tag_rows: list[dict], records: dict) -> tuple[list, list[list[bool]]
   return cons, instructions.judge([r["completion"] for r in tag_rows], cons)[0]
 
 
-def by_kind(folder: pathlib.Path, tag: str = "after") -> dict:
-  """Each instruction set's pass counts by constraint kind (strict), before (the general run's
-  rows: the base model) and after this run (its rows under `tag`): {set: {kind: [before,
-  after, of]}}."""
-  out = {}
+def instruction_figures(folder: pathlib.Path, tag: str = "after") -> dict:
+  """Each instruction set's figures from the base (the general run's rows before) to this run's
+  rows under `tag`, judged once (strict): `followed`, the fraction of its constraints a prompt's
+  answer follows (the `instructions` reward), paired by prompt ({set: `paired_change`}: where
+  the prompt-level figure needs every constraint of a prompt, this counts each, with the prompt
+  as the unit of the standard error, since a prompt's constraints are not independent); and
+  `by_kind`, the pass counts by constraint kind ({set: {kind: [before, after, of]}})."""
+  from reasoner.evaluation import paired_change
+
+  followed, kinds = {}, {}
+  both = (rows(folder.parent / "general", "before"), rows(folder, tag))
   for name, records in _instruction_sets().items():
     counts: dict[str, list[int]] = {}
-    for i, tag_rows in enumerate((rows(folder.parent / "general", "before")[name],
-                                  rows(folder, tag)[name])):
-      for row, passed in zip(*_judged(tag_rows, records)):
+    sides = []
+    for i, tag_rows in enumerate(side[name] for side in both):
+      cons, strict = _judged(tag_rows, records)
+      sides.append([{"question": r["question"], "correct": sum(p) / len(p)}
+                    for r, p in zip(tag_rows, strict)])
+      for row, passed in zip(cons, strict):
         for c, ok in zip(row, passed):
           counts.setdefault(c["kind"], [0, 0, 0])[i] += int(ok)
           counts[c["kind"]][2] += i == 0
-    out[name] = dict(sorted(counts.items()))
-  return out
-
-
-def followed(folder: pathlib.Path, tag: str = "after") -> dict:
-  """Each instruction set's fraction of its constraints a prompt's answer follows (strict: the
-  `instructions` reward), from the base (the general run's rows before) to this run's rows
-  under `tag`, paired by prompt: {set: `paired_change`}. Where the prompt-level figure needs
-  every constraint of a prompt, this counts each, with the prompt as the unit of the standard
-  error (a prompt's constraints are not independent)."""
-  from reasoner.evaluation import paired_change
-
-  out = {}
-  for name, records in _instruction_sets().items():
-    sides = []
-    for tag_rows in (rows(folder.parent / "general", "before")[name], rows(folder, tag)[name]):
-      _, strict = _judged(tag_rows, records)
-      sides.append([{"question": r["question"], "correct": sum(p) / len(p)}
-                    for r, p in zip(tag_rows, strict)])
-    out[name] = paired_change(*sides)
-  return out
+    followed[name], kinds[name] = paired_change(*sides), dict(sorted(counts.items()))
+  return {"followed": followed, "by_kind": kinds}
 
 
 def floor(folder: pathlib.Path, seconds: float) -> dict:

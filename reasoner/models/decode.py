@@ -5,9 +5,10 @@ layer keys [prompts, K, H, P] and values [prompts, K, P, H], written by the pref
 `Cache.new` holds the generated tokens' ([N, prompts * G, K, H], slot-major: slot j = each
 row's j-th new token). Rows are grouped by prompt, so row r reads prompt r // G. Against the
 prompt's cache repeated to the G rows this reads the prompt's keys once per group instead of G
-times, and holds 1 / G of the prompt's bytes. The prompt part is batch-major because it is only read: the attention dots take their
-batch axes (prompt, head) first, and slot-major it was laid out again by XLA:CPU in every layer
-at every step (a copy of the whole prompt cache twice a step, 23% of an evaluation's time).
+times, and holds 1 / G of the prompt's bytes. The prompt part is batch-major because it is only
+read: the attention dots take their batch axes (prompt, head) first, and slot-major it was laid
+out again by XLA:CPU in every layer at every step (a copy of the whole prompt cache twice a
+step, 23% of an evaluation's time).
 Its keys lie transposed, [H, P] a head, so that both of its dots are plain [M, K] x [K, N]
 matmuls: XLA:CPU ran the scores against keys [P, H] (contracting both operands' last axis) at
 a tenth of the speed ([128 rows, 4, 256] x [128, 256, 256]: 20 ms against 2; 18 layers at every
