@@ -229,5 +229,38 @@ def test_a_template_writes_a_field_by_a_transform(tmp_path):
     with pytest.raises(ConfigError, match="^" + re.escape(
         f"config key 'data.response_template' = '{bad}': expected a template of record fields "
         "in braces, e.g. '<answer>{solution}</answer>' ({{ and }} for a brace): "
-        f"{shown} is neither a field nor a transform of one ({{a:final}}, {{a:steps}})") + "$"):
+        f"{shown} is neither a field nor a transform of one ({{a:final}}, {{a:steps}}, "
+        "{a:lines})") + "$"):
       DataConfig(source="jsonl", path="d.jsonl", response_template=bad)
+
+
+def test_a_question_written_from_fields_and_tests_that_run(tmp_path):
+  """MBPP's layout (task_id, text, code, test_list): the question written from the task and its
+  tests (which name the function), the tests a list of asserts that `tests_pass` runs one by
+  one; the record's own solution passes them all. A row without a field the question template
+  names is dropped and counted."""
+  from reasoner.rewards import sandbox
+
+  rows = [{"task_id": 2, "text": "Write a function to find the shared elements of two lists.",
+           "code": "def similar_elements(a, b):\n  return tuple(sorted(set(a) & set(b)))",
+           "test_list": ["assert similar_elements((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
+                         "assert similar_elements((1, 2), (3, 4)) == ()"]},
+          {"task_id": 3, "text": "Write a function with no tests.", "code": "pass"},
+          {"task_id": 4, "text": "Add two numbers.", "code": "def add(a, b):\n  return a + b",
+           "test_list": ["assert add(1, 2) == 3"]}]
+  path = tmp_path / "mbpp.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  seen = []
+  train, held = sources.load_splits(DataConfig(
+      source="jsonl", path=str(path), num_eval=1, tests_field="test_list",
+      question_template="{text}\nYour code should pass these tests:\n{test_list:lines}",
+      response_template="```python\n{code}\n```"), log=seen.append)
+  assert len(train) + len(held) == 2
+  r = next(r for r in train + held if r["question"].startswith("Write a function to find"))
+  assert r["question"] == ("Write a function to find the shared elements of two lists.\n"
+                           "Your code should pass these tests:\n" + "\n".join(rows[0]["test_list"]))
+  assert r["tests"] == rows[0]["test_list"]
+  both = train + held
+  assert sandbox.tests_pass([""] * 2, [r["response"] for r in both], [r["tests"] for r in both],
+                            timeout_s=10.0) == [1.0, 1.0]
+  assert any("missing field 'test_list'" in line for line in seen), seen

@@ -72,7 +72,9 @@ def mbpp(i: int) -> dict:  # google-research-datasets/mbpp, full
           "text": f"Write a python function to remove the first and last occurrence {i}.",
           "code": "def remove_Occ(s,ch): \r\n    return s.replace(ch, '', 1)[::-1]"
                   ".replace(ch, '', 1)[::-1] ",
-          "test_list": ['assert remove_Occ("hello","l") == "heo"'],
+          "test_list": ['assert remove_Occ("hello","l") == "heo"',
+                        'assert remove_Occ("abcda","a") == "bcd"',
+                        'assert remove_Occ("PHP","P") == "H"'],
           "test_setup_code": "", "challenge_test_list": []}
 
 
@@ -130,8 +132,10 @@ def expected(name: str, row: dict) -> dict:
             "response": row["completion"], "category": "summarisation"}
   if name == "writingprompts":
     return {**plain, "question": row["prompt"], "response": row["story"], "category": "creative"}
-  assert name == "mbpp"
-  return {**plain, "question": row["text"], "answer": row["code"].strip(), "category": "code",
+  assert name == "mbpp"  # the task and its tests (which name the function), the tests to run
+  return {**plain, "category": "code", "tests": row["test_list"],
+          "question": row["text"] + "\nYour code should pass these tests:\n"
+                      + "\n".join(row["test_list"]),
           "response": f"```python\n{row['code']}\n```"}
 
 
@@ -265,6 +269,23 @@ def test_each_source_maps_its_cards_fields(preset, layout, tmp_path):
   assert relevance.categories == ("summarisation",)  # the category whose records have references
 
 
+def test_code_is_scored_by_its_tests_not_the_judge(tmp_path):
+  """MBPP's records go to `tests_pass`, not the judge; each record's own solution passes each
+  of its tests in the sandbox, and a wrong one those it happens to pass."""
+  from reasoner.rewards import sandbox
+
+  cfg = local(load_config(ROOT / "configs" / "gemma3_1b_general.yaml"), tmp_path, "saved")
+  train, held = sources.load_splits(cfg.data, log=lambda _: None)
+  code = [r for r in train + held if r["category"] == "code"]
+  assert len(code) == 5
+  by_fn = {r.fn: r.categories for r in cfg.rewards}
+  assert "code" in by_fn["tests_pass"] and "code" not in by_fn["judge"]
+  wrong = "```python\ndef remove_Occ(s, ch):\n  return s.strip(ch)\n```"  # "hello" fails
+  assert sandbox.tests_pass([""] * 6, [r["response"] for r in code] + [wrong],
+                            [r["tests"] for r in code] + [code[0]["tests"]],
+                            timeout_s=10.0) == [1.0] * 5 + [pytest.approx(2 / 3)]
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_without_the_network_each_hub_source_is_one_line(preset, tmp_path, monkeypatch):
   """Here (no network) every source but the local copies fails at load in one line naming
@@ -306,6 +327,10 @@ def test_the_rehearsal_draws_offline_data(monkeypatch):
   assert [(m.name, m.source, m.weight) for m in cfg.data.mixture] == [
       ("gsm8k", "arithmetic", 1.0), ("instructions", "instructions", 1.0),
       ("general", "jsonl", sum(m.weight for m in preset.data.mixture if m.source == "hf"))]
+  # data/general.jsonl's code records have no tests: the judge scores them here
+  assert {r.fn: r.categories for r in cfg.rewards}["judge"] == (
+      "creative", "summarisation", "science", "code")
+  assert "tests_pass" not in {r.fn for r in cfg.rewards}
   train, held = sources.load_splits(cfg.data, log=lambda _: None)
   rewards = Rewards(cfg.rewards)
   rewards.check(train, "the training data")

@@ -107,6 +107,19 @@ def test_stdio_pairs_give_the_fraction():
   assert reward([""], [exits], [[{"input": "4", "output": "8"}]], timeout_s=5.0) == [0.0]
 
 
+def test_a_list_of_asserts_gives_the_fraction(runs):
+  """MBPP's `test_list`: each assert its own program after the code (no assert sees another's
+  failure), the fraction passed; one that runs out of time ends the row."""
+  tests = ["assert add(2, 3) == 5", "assert add(2, 2) == 5", "assert add(-1, 1) == 0"]
+  assert reward([""], [fence(ADD)], [tests], timeout_s=5.0) == [pytest.approx(2 / 3)]
+  assert [r.returncode for r in runs] == [0, 1, 0]
+  slow = ADD + "def spin():\n  while True: pass\n"
+  runs.clear()
+  assert reward([""], [fence(slow)], [["assert add(1, 1) == 2", "spin()", "assert True"]],
+                timeout_s=1.0) == [pytest.approx(1 / 3)]
+  assert [r.timed_out for r in runs] == [False, True]  # the third never ran
+
+
 def test_a_completion_without_code_scores_zero(runs):
   assert reward([""], ["The answer is add(a, b) = a + b."], ["assert add(1, 1) == 2"],
                     timeout_s=5.0) == [0.0]
@@ -134,6 +147,10 @@ def test_bad_tests_are_one_line():
     validate_tests("assert f(1) == 1\nassert f(2 == 2\n", "train.jsonl, record 3")
   with pytest.raises(DataError, match=r"record 0: test 1 is not an"):
     validate_tests([{"input": "1", "output": "1"}, {"input": "2"}], "record 0")
+  with pytest.raises(DataError, match=r"record 2: its test 1 does not parse .*line 1"):
+    validate_tests(["assert f(1) == 1", "assert f(2 == 2"], "record 2")
+  with pytest.raises(DataError, match=r"record 0: test 1 is not an .*nor an assert"):
+    validate_tests(["assert True", 3], "record 0")
   with pytest.raises(DataError, match="got NoneType"):
     validate_tests(None, "record 0")
   with pytest.raises(DataError, match="completion 1"):

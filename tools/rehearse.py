@@ -7,7 +7,8 @@ are cut (steps, G, new tokens, held-out problems, and the first 4 of the decoder
 the full checkpoint) and GSM8K is replaced by the generated arithmetic set (it needs the
 network; so do Hugging Face and Kaggle sources, and files not on this machine: a mixture's
 become one source of data/general.jsonl, the records' schema by example, with their weight, its
-other sources kept, each held-out part cut to 8 at most; `offline_data`). A preset with a
+other sources kept, each held-out part cut to 8 at most; `offline_data`; its code records
+have no tests, so the judge scores them, `offline_rewards`). A preset with a
 judge of its own (gemma3_1b_general: a Gemma 3 12B-it on 4 of the 8 chips) gets a random judge
 checkpoint of the judge's real widths and vocabulary, its first 4 layers written and read, on
 its own devices; a random judge cannot pass `judge.check`, so the rehearsal turns the check off
@@ -48,7 +49,7 @@ JUDGE_CUT = ["judge.model.layers=4", "judge.check=false"]
 def cuts(cfg, judge_dir: pathlib.Path) -> list[str]:
   """CUT, the data the rehearsal draws (`offline_data`) and, where the preset has a judge model
   of its own, the random judge's checkpoint and cuts."""
-  out = list(CUT) + offline_data(cfg)
+  out = list(CUT) + offline_data(cfg) + offline_rewards(cfg)
   if own_judge(cfg):
     out += [f"judge.model.path={judge_dir}", *JUDGE_CUT]
   return out
@@ -84,6 +85,22 @@ def offline_data(cfg) -> list[str]:
     mix.append({"name": name, "source": "jsonl", "path": "data/general.jsonl",
                 "weight": sum(m.weight for m in gone), "num_eval": 4})
   return [f"data.mixture={json.dumps(mix)}"]
+
+
+def offline_rewards(cfg) -> list[str]:
+  """Where a mixture's Hub datasets become data/general.jsonl (`offline_data`), whose code
+  records carry no tests: `tests_pass`'s categories go to the judge, so that every record is
+  scored (the rehearsal's shapes, not its scores; the judge reads more rows, not fewer)."""
+  rewards = [dataclasses.asdict(r) for r in cfg.rewards]
+  tested = [r for r in rewards if r["fn"] == "tests_pass"]
+  judge = next((r for r in rewards if r["fn"] == "judge"), None)
+  if cfg.data.mixture is None or not tested or judge is None or all(
+      here(m) for m in cfg.data.mixture if m.source != "gsm8k"):
+    return []
+  moved = [r["categories"] for r in tested]
+  judge["categories"] = None if None in moved or judge["categories"] is None else [
+      *judge["categories"], *(c for cats in moved for c in cats)]
+  return [f"rewards={json.dumps([r for r in rewards if r['fn'] != 'tests_pass'])}"]
 
 
 def here(c) -> bool:

@@ -18,7 +18,7 @@ READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k")  # sources of rows, 
 PRESET_SOURCES = ("gsm8k",)
 _PATHS = {"hf": "a Hugging Face dataset id (OWNER/NAME) or a local folder or file",
           "kaggle": "a Kaggle dataset, OWNER/DATASET or OWNER/DATASET/versions/N"}
-_TEMPLATES = ("response_template", "chosen_template", "rejected_template")
+_TEMPLATES = ("question_template", "response_template", "chosen_template", "rejected_template")
 # the data files read (jsonl, parquet and csv sources, a Kaggle dataset's file, an hf local
 # file or folder), by suffix: each one's kind, as data/files.py reads it
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -38,9 +38,16 @@ def worked_steps(text: str) -> str:
   return re.sub(r"<<[^>]*>>", "", text.split("####")[0]).strip()
 
 
+def lines(value) -> str:
+  """A list's items one per line (MBPP's `test_list`); anything else as its text."""
+  return "\n".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 # a template's field transforms, {field:name}: GSM8K's answer "3*4=<<3*4=12>>12.\n#### 12" is
-# {answer:steps} "3*4=12." and {answer:final} "12" (as every record's answer_field is read)
-TRANSFORMS = {"final": final_answer, "steps": worked_steps}
+# {answer:steps} "3*4=12." and {answer:final} "12" (as every record's answer_field is read);
+# {test_list:lines} a list one item a line
+TRANSFORMS = {"final": lambda v: final_answer(str(v)), "steps": lambda v: worked_steps(str(v)),
+              "lines": lines}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,9 +70,14 @@ class Fields:
   # optional in a record: instructions code can check, a list of {kind, args} with IFEval's
   # kind names (the `instructions` reward; rewards/instructions.py)
   constraints_field: str = "constraints"
-  # optional in a record: the tests its code must pass, Python asserts (a string) or a list of
-  # {input, output} stdin/stdout pairs (the `tests_pass` reward; rewards/sandbox.py)
+  # optional in a record: the tests its code must pass, Python asserts (a string), a list of
+  # them (a program each) or of {input, output} stdin/stdout pairs (the `tests_pass` reward;
+  # rewards/sandbox.py)
   tests_field: str = "tests"
+  # the question written from a record's fields instead of question_field (as
+  # response_template), e.g. MBPP's task and the tests its code must pass, which name its
+  # function: "{text}\nYour code should pass these tests:\n{test_list:lines}"
+  question_template: str | None = None
   # SFT's target written from a record's fields instead of response_field (str.format_map), e.g.
   # "<reasoning>{thinking}</reasoning>\n<answer>{solution}</answer>" ({{ and }}: a brace); a
   # record without a field it names (or with null) is dropped and counted, or one error line

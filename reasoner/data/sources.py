@@ -40,7 +40,7 @@ from reasoner.data import arithmetic, hub, instructions
 from reasoner.data.files import file_rows
 
 _log = logging.getLogger("reasoner")
-_TEXTS = ("response", "chosen", "rejected")  # a record's texts a template may write
+_TEXTS = ("question", "response", "chosen", "rejected")  # the texts a template may write
 # source: gsm8k is hf with GSM8K's mapping: openai/gsm8k, main, its test split held out (an
 # evaluation set's records) or a local copy at `path` (no subsets); its `answer` (worked steps,
 # then '#### 72') the reference (72, as every answer_field is read) and, by the template's
@@ -56,7 +56,7 @@ class _Template(string.Formatter):
   """str.format_map with the transforms as format specs: {answer:final}."""
 
   def format_field(self, value, spec: str) -> str:
-    return TRANSFORMS[spec](str(value)) if spec else format(value)
+    return TRANSFORMS[spec](value) if spec else format(value)
 
 
 _TEMPLATE = _Template()
@@ -71,8 +71,9 @@ def _records(rows: list[dict], cfg, where: str, section: str, overlong: str,
   rows = [_expanded(row, cfg, f"{where}: record {i}") for i, row in enumerate(rows)]
   templates = _templates(rows, cfg, where, section)
   out, dropped = [], collections.Counter()
+  asked = getattr(cfg, "question_template", None) is None  # else a template writes it
   for i, row in enumerate(rows):
-    if row.get(cfg.question_field) is None or not str(row[cfg.question_field]).strip():
+    if asked and (row.get(cfg.question_field) is None or not str(row[cfg.question_field]).strip()):
       dropped[f"missing field '{cfg.question_field}'"] += 1
       continue
     texts, gap = {}, None
@@ -112,7 +113,8 @@ def _templates(rows: list[dict], cfg, where: str, section: str) -> dict[str, tup
   have = sorted(set().union(*rows)) if rows else []
   for f in dataclasses.fields(Fields):
     name = getattr(cfg, f.name)
-    if f.name.endswith("_field") and (f.name == "question_field" or name != f.default) and (
+    needed = f.name == "question_field" and getattr(cfg, "question_template", None) is None
+    if f.name.endswith("_field") and (needed or name != f.default) and (
         rows and name not in have):
       raise DataError(f"{where} has no field '{name}' ({section}.{f.name}) in any record; they "
                       f"have {', '.join(have)}")
@@ -136,12 +138,13 @@ def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str],
   level = curriculum.field if curriculum is not None else None  # a curriculum's field, kept
   answer, category = row.get(cfg.answer_field), row.get(cfg.category_field)
   category = default if category is None else category
-  return {"question": str(row[cfg.question_field]),
+  written = {k: texts[k] if k in texts else _text(row, getattr(cfg, f"{k}_field", None))
+             for k in _TEXTS}
+  return {"question": written.pop("question"),
           "answer": None if answer is None else final_answer(str(answer)),
           "category": None if category is None else str(category),
           "rubric": rubric(row.get(cfg.rubric_field), where, f"{section}.rubric_field"),
-          **{k: texts[k] if k in texts else _text(row, getattr(cfg, f"{k}_field", None))
-             for k in _TEXTS},
+          **written,
           **{k: row[f] for k in ("constraints", "tests")
              if (f := getattr(cfg, f"{k}_field", None)) and row.get(f) is not None},
           **({level: str(row[level])} if level and row.get(level) is not None else {})}

@@ -1,7 +1,8 @@
 """The reward `tests_pass`: a completion's code run against its record's tests, in a sandbox.
 
 The code is the completion's last ```python block, else the text of its last <answer>; `tests`
-a string of asserts (run after the code, in the same program: 1 or 0) or {"input", "output"}
+a string of asserts (run after the code, in the same program: 1 or 0), a list of such strings
+(MBPP's `test_list`: the code run once a test, the fraction passed) or {"input", "output"}
 pairs (the program run once a pair, stdout compared without trailing whitespace: the fraction).
 
 Each run is a fresh process: a launcher (`_launch`, this module in a new interpreter and
@@ -122,20 +123,20 @@ def extract_code(completion: str) -> str | None:
 def validate_tests(tests, where: str) -> None:
   """One line (DataError) for tests that cannot run: asserts that do not parse, pairs without
   both "input" and "output" strings, or anything else."""
-  if isinstance(tests, str):
-    try:
-      ast.parse(tests)
-    except SyntaxError as e:
-      raise DataError(f"{where}: its tests do not parse as Python (line {e.lineno}: "
-                      f"{e.msg})") from None
-  elif isinstance(tests, list) and tests:
-    for i, pair in enumerate(tests):
-      if not (isinstance(pair, dict) and all(isinstance(pair.get(k), str)
-                                             for k in ("input", "output"))):
-        raise DataError(f"{where}: test {i} is not an {{'input': str, 'output': str}} pair")
-  else:
+  if not (isinstance(tests, str) or isinstance(tests, list) and tests):
     raise DataError(f"{where}: tests must be a string of asserts or a non-empty list of "
-                    f"{{'input', 'output'}} pairs (got {type(tests).__name__})")
+                    f"asserts or of {{'input', 'output'}} pairs (got {type(tests).__name__})")
+  for i, test in enumerate([tests] if isinstance(tests, str) else tests):
+    if isinstance(test, str):
+      try:
+        ast.parse(test)
+      except SyntaxError as e:
+        what = "its tests do" if test is tests else f"its test {i} does"
+        raise DataError(f"{where}: {what} not parse as Python (line {e.lineno}: {e.msg})") from None
+    elif not (isinstance(test, dict) and all(isinstance(test.get(k), str)
+                                             for k in ("input", "output"))):
+      raise DataError(f"{where}: test {i} is not an {{'input': str, 'output': str}} pair (nor "
+                      "an assert)")
 
 
 def same_output(got: str, expected: str) -> bool:
@@ -145,17 +146,17 @@ def same_output(got: str, expected: str) -> bool:
 
 
 def score(completion: str, tests, limits: Limits = Limits()) -> float:
-  """The fraction of `tests` the completion's code passes (0 without code). Stdio pairs run one
-  after another; the first that runs out of time ends the row (the rest count as failed)."""
+  """The fraction of `tests` the completion's code passes (0 without code), one after another;
+  the first that runs out of time ends the row (the rest count as failed)."""
   code = extract_code(completion)
   if code is None:
     return 0.0
-  if isinstance(tests, str):
-    return float(execute(code, tests, limits=limits).passed)
-  passed = 0  # pairs
-  for pair in tests:
-    run = execute(code, None, pair["input"], limits)
-    passed += run.passed and same_output(run.output, pair["output"])
+  tests = [tests] if isinstance(tests, str) else tests
+  passed = 0
+  for test in tests:
+    asserts = isinstance(test, str)  # run after the code; else a stdin / stdout pair
+    run = execute(code, test if asserts else None, "" if asserts else test["input"], limits)
+    passed += run.passed and (asserts or same_output(run.output, test["output"]))
     if run.timed_out:
       break
   return passed / len(tests)
