@@ -264,3 +264,46 @@ def test_a_question_written_from_fields_and_tests_that_run(tmp_path):
   assert sandbox.tests_pass([""] * 2, [r["response"] for r in both], [r["tests"] for r in both],
                             timeout_s=10.0) == [1.0, 1.0]
   assert any("missing field 'test_list'" in line for line in seen), seen
+
+
+def test_ifeval_reads_its_instructions_as_constraints(tmp_path, monkeypatch):
+  """`source: ifeval` (google/IFEval's mapping) on a local copy in the card's layout, kwargs as
+  the Hub's parquet has them (every argument of every kind, None where unused): each record's
+  instructions are its constraints, scored by IFEval's four numbers; lists that do not pair
+  are one line."""
+  import datasets
+
+  from reasoner.errors import DataError
+  from reasoner.rewards import instructions
+
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+  rows = [{"key": 1000, "prompt": "Write a 300+ word summary of the wikipedia page about Raymond "
+                                  "III. Do not use any commas and highlight at least 3 sections.",
+           "instruction_id_list": ["punctuation:no_comma",
+                                   "detectable_format:number_highlighted_sections",
+                                   "length_constraints:number_words"],
+           "kwargs": [{}, {"num_highlights": 3}, {"relation": "at least", "num_words": 300}]},
+          {"key": 1001, "prompt": "Plan a trip to Japan. Write the itinerary in lowercase.",
+           "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]}]
+  (tmp_path / "ifeval").mkdir()
+  datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "ifeval" / "train.parquet"))
+  s = EvalSet(name="ifeval", source="ifeval", path=str(tmp_path / "ifeval"), num=2)
+  first, second = sources.load_eval_set(s, DataConfig(), log=lambda _: None)
+  assert first["question"] == rows[0]["prompt"] and first["category"] == "instructions"
+  assert [c["kind"] for c in first["constraints"]] == rows[0]["instruction_id_list"]
+  assert first["constraints"][2]["args"]["num_words"] == 300  # others None: absent
+  assert instructions.validate(first["constraints"], "r") == [
+      ("punctuation:no_comma", {}), ("detectable_format:number_highlighted_sections",
+                                     {"num_highlights": 3}),
+      ("length_constraints:number_words", {"relation": "at least", "num_words": 300})]
+  strict, loose = instructions.judge(["day one: tokyo. day two: kyoto.", "Day one: Tokyo."],
+                                     [second["constraints"]] * 2)
+  assert strict == [[True], [False]]
+  assert instructions.ifeval_scores(strict, loose)["prompt_level_strict"] == 0.5
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({**rows[1], "kwargs": [{}, {}]}) + "\n")
+  with pytest.raises(DataError, match=r"record 0: 'instruction_id_list' and 'kwargs' must be "
+                                      r"lists of the same length"):
+    sources.load_eval_set(EvalSet(name="x", source="jsonl", path=str(bad), num=1,
+                                  question_field="prompt", constraints_field="instruction_id_list",
+                                  constraint_args_field="kwargs"), DataConfig(), log=lambda _: None)

@@ -409,7 +409,7 @@ def test_bad_source_settings_fail_in_one_line():
       (dict(source="jsonl", path="d.jsonl", subset="main"), "config key 'data.subset' = "
        "'main': expected null unless data.source is 'hf'"),
       (dict(source="jsonl", path="d.jsonl", streaming=True), "config key 'data.streaming' = "
-       "True: expected false unless data.source is 'hf' or 'gsm8k'"),
+       "True: expected false unless data.source is 'hf' or 'gsm8k' or 'ifeval'"),
       (dict(source="hf", path="a/b", eval_path="t.jsonl"), "config key 'data.eval_path' = "
        "'t.jsonl': expected null unless the source is a file (jsonl, parquet, csv); hf holds "
        "out its eval_split or the last num_eval records"),

@@ -10,12 +10,13 @@ from typing import Literal
 from reasoner.config.typed import fail as _fail
 
 
-Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k"]
-READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k")  # sources of rows, mapped by Fields
+Source = Literal["arithmetic", "instructions", "jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k",
+                 "ifeval"]
+READ = ("jsonl", "parquet", "csv", "hf", "kaggle", "gsm8k", "ifeval")  # rows, mapped by Fields
 # hf sources under a preset mapping of their own (data/sources.py PRESETS): the Hub id, subset,
 # splits and fields are the preset's, so `path` is optional (a local copy) and `subset`,
 # `split` and `eval_split` are not set
-PRESET_SOURCES = ("gsm8k",)
+PRESET_SOURCES = ("gsm8k", "ifeval")
 _PATHS = {"hf": "a Hugging Face dataset id (OWNER/NAME) or a local folder or file",
           "kaggle": "a Kaggle dataset, OWNER/DATASET or OWNER/DATASET/versions/N"}
 _TEMPLATES = ("question_template", "response_template", "chosen_template", "rejected_template")
@@ -70,6 +71,9 @@ class Fields:
   # optional in a record: instructions code can check, a list of {kind, args} with IFEval's
   # kind names (the `instructions` reward; rewards/instructions.py)
   constraints_field: str = "constraints"
+  # IFEval's layout: constraints_field names a list of kinds (instruction_id_list) and this a
+  # list of their arguments, one a kind (kwargs); null: constraints_field holds {kind, args}
+  constraint_args_field: str | None = None
   # optional in a record: the tests its code must pass, Python asserts (a string), a list of
   # them (a program each) or of {input, output} stdin/stdout pairs (the `tests_pass` reward;
   # rewards/sandbox.py)

@@ -49,7 +49,13 @@ GSM8K = dict(path="openai/gsm8k", subset="main", split="train", eval_split="test
              question_field="question", answer_field="answer",
              response_template="<reasoning>{answer:steps}</reasoning>\n<answer>{answer:final}"
                                "</answer>", category="math")
-PRESETS = {"gsm8k": GSM8K}  # config.data.PRESET_SOURCES
+# source: ifeval is hf with IFEval's mapping (Zhou et al. 2023; google/IFEval, Apache 2.0): its
+# one split of 541 prompts, each with its instructions (`instruction_id_list`, with their
+# `kwargs`) as the record's constraints, scored by the `instructions` reward's checks
+IFEVAL = dict(path="google/IFEval", subset=None, split="train", eval_split=None,
+              question_field="prompt", constraints_field="instruction_id_list",
+              constraint_args_field="kwargs", category="instructions")
+PRESETS = {"gsm8k": GSM8K, "ifeval": IFEVAL}  # config.data.PRESET_SOURCES
 
 
 class _Template(string.Formatter):
@@ -147,7 +153,22 @@ def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str],
           **written,
           **{k: row[f] for k in ("constraints", "tests")
              if (f := getattr(cfg, f"{k}_field", None)) and row.get(f) is not None},
+          **_paired_constraints(row, cfg, where),
           **({level: str(row[level])} if level and row.get(level) is not None else {})}
+
+
+def _paired_constraints(row: dict, cfg, where: str) -> dict:
+  """{"constraints": [{kind, args}]} from IFEval's layout, a list of kinds and a list of their
+  arguments (`constraint_args_field`); {} where the record has none or the layout is not set."""
+  field = getattr(cfg, "constraint_args_field", None)
+  kinds = row.get(cfg.constraints_field) if field else None
+  if kinds is None:
+    return {}
+  args = row.get(field)
+  if not (isinstance(kinds, list) and isinstance(args, list) and len(args) == len(kinds)):
+    raise DataError(f"{where}: '{cfg.constraints_field}' and '{field}' must be lists of the "
+                    f"same length, a kind and its arguments each (got {kinds!r} and {args!r})")
+  return {"constraints": [{"kind": k, "args": a or {}} for k, a in zip(kinds, args)]}
 
 
 def rubric(value, where: str, key: str) -> tuple[tuple[str | dict, float], ...] | None:
@@ -312,7 +333,8 @@ def _preset(c) -> tuple[Any, str | None]:
   category = preset.pop("category", None)
   unset = {f.name: f.default for f in dataclasses.fields(Fields)}
   mapping = {k: v for k, v in preset.items() if k in unset and getattr(c, k) == unset[k]}
-  splits = ({"split": preset["eval_split"], "eval_split": None} if isinstance(c, EvalSet) else
+  splits = ({"split": preset["eval_split"] or preset["split"], "eval_split": None}
+            if isinstance(c, EvalSet) else
             {"split": preset["split"], "eval_split": preset["eval_split"]})
   return dataclasses.replace(c, source="hf", path=c.path or preset["path"],
                              subset=None if c.path else preset["subset"], **splits,
