@@ -31,9 +31,9 @@ def fence(code: str) -> str:
   return f"Here is my solution.\n```python\n{code}```\nDone."
 
 
-def leftovers(spare: tuple[int, ...] = ()) -> list[str]:
-  """Live processes of a sandbox uid, or below this process but `spare` (zombies are not
-  counted)."""
+def leftovers(spare: tuple[int, ...] = (), uids=sandbox.UIDS) -> list[str]:
+  """Live processes of a sandbox uid of `uids` (those this test's runs had: another pytest
+  worker's runs hold others), or below this process but `spare` (zombies are not counted)."""
   procs = {}
   for name in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -49,7 +49,7 @@ def leftovers(spare: tuple[int, ...] = ()) -> list[str]:
         return True
     return False
   return [f"{pid} (uid {uid}, {state})" for pid, (_, uid, state) in procs.items()
-          if state != "Z" and pid not in spare and (uid in sandbox.UIDS or below_me(pid))]
+          if state != "Z" and pid not in spare and (uid in uids or below_me(pid))]
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def hostile(code: str, tests: str, runs, limit_s: float = 10.0, spare=()) -> flo
   for run in runs:
     with pytest.raises(ProcessLookupError):
       os.killpg(run.pgid, 0)
-  assert leftovers(spare) == []
+  assert leftovers(spare, {run.uid for run in runs}) == []
   return value
 
 
@@ -174,6 +174,21 @@ def test_isolation_is_one_line_and_holds():
 
 
 # ------------------------------------------------------------------ hostile
+
+
+def test_concurrent_runs_on_a_host_never_share_a_uid(tmp_path):
+  """As root, each run leases its uid by a lock that another process sees; one held here is
+  not handed out there."""
+  if os.geteuid() != 0:
+    pytest.skip("not root: the code runs without a uid of its own")
+  lease = "from reasoner.rewards import sandbox\nwith sandbox._uid_lease() as uid: print(uid)"
+  with sandbox._uid_lease() as mine:
+    assert mine in sandbox.UIDS
+    other = subprocess.run([sys.executable, "-c", lease], capture_output=True, text=True,
+                           check=True)
+    assert int(other.stdout) in sandbox.UIDS and int(other.stdout) != mine
+  again = subprocess.run([sys.executable, "-c", lease], capture_output=True, text=True, check=True)
+  assert int(again.stdout) in sandbox.UIDS  # released with the run
 
 
 def test_fork_bomb(layer, runs):

@@ -5,13 +5,13 @@ a string of asserts (run after the code, in the same program: 1 or 0), a list of
 (MBPP's `test_list`: the code run once a test, the fraction passed) or {"input", "output"}
 pairs (the program run once a pair, stdout compared without trailing whitespace: the fraction).
 
-Each run is a fresh process: a launcher (`_launch`, this module in a new interpreter and
+Each run is a fresh process: a launcher (`launcher.main`, in a new interpreter and
 session) forks the sandbox, which sets itself up and execs the interpreter (`-s -B`; the
 environment built from nothing: PATH, LANG, HOME = the cwd, PYTHONDONTWRITEBYTECODE and
 PYTHONHASHSEED=0, which `-I` would ignore). The strongest layer a probe finds (`isolation()`):
 - as root: new pid, mount, network, IPC and UTS namespaces, then a uid no account uses, one a
-  concurrent run (`UIDS`: RLIMIT_NPROC binds only non-root uids and counts a uid's processes),
-  no capability, no_new_privs;
+  concurrent run on the host (`UIDS`, leased by a lock: RLIMIT_NPROC binds only non-root uids
+  and counts a uid's processes), no capability, no_new_privs;
 - not root: the same in a user namespace (this uid as 0 while the mounts are made), then a
   nested one (the code as uid 1000, no capability) that locks the mounts as made; this user's
   files outside the hidden folders stay readable;
@@ -37,15 +37,14 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
+import fcntl
 import functools
 import json
 import math
 import os
 import pathlib
 import pwd
-import queue
 import re
 import resource
 import secrets
@@ -60,13 +59,12 @@ import time
 from typing import Sequence
 
 from reasoner.errors import DataError, RewardError
+from reasoner.rewards.launcher import SETUP_FAILED
 
 FENCE = re.compile(r"```(?:python|py)[^\n]*\n(.*?)```", re.S)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 UIDS = range(2_000_000_000, 2_000_000_256)  # no account's: one a concurrent run, as root
-_free_uids: queue.SimpleQueue = queue.SimpleQueue()
-list(map(_free_uids.put, UIDS))
-SETUP_FAILED = 125  # the launcher's exit status when it could not set the sandbox up
+UID_LOCKS = os.path.join(tempfile.gettempdir(), "reasoner-sandbox-uids")  # a lock file a uid
 # the sandboxed program: the code, then the asserts and the run's marker (read, then deleted)
 HARNESS = """import json, os, sys
 def main(job, scope):
@@ -102,13 +100,14 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class Result:
   """One run: stdout (no marker), exit status (128 + n: signal n), whether it passed (in time,
-  under the output cap, exit 0, past its asserts), and the launcher's process group."""
+  under the output cap, exit 0, past its asserts), the launcher's process group and the uid."""
   output: str
   returncode: int
   timed_out: bool
   truncated: bool
   passed: bool
   pgid: int
+  uid: int | None  # the uid it ran as: one of UIDS, as root
 
 
 def extract_code(completion: str) -> str | None:
@@ -241,7 +240,11 @@ def execute(code: str, tests: str | None = None, stdin: str = "", limits: Limits
   """Runs `code` (then the asserts `tests`, if any) in the sandbox, `stdin` as its input."""
   mode = mode or _layer()[0]
   python = _interpreter(limits.python, mode)
-  uid = _free_uids.get() if os.geteuid() == 0 else None
+  with _uid_lease() as uid:
+    return _execute(code, tests, stdin, limits, mode, python, uid)
+
+
+def _execute(code, tests, stdin, limits, mode, python, uid) -> Result:
   box = tempfile.mkdtemp(prefix="reasoner-sandbox-")
   try:
     marker = secrets.token_hex(16)
@@ -261,8 +264,6 @@ def execute(code: str, tests: str | None = None, stdin: str = "", limits: Limits
       feed.seek(0)
       out, err, returncode, timed_out, truncated, pgid = _run_launcher(spec, feed, limits)
   finally:
-    if uid is not None:
-      _free_uids.put(uid)
     shutil.rmtree(box, ignore_errors=True)
   if returncode == SETUP_FAILED and err.strip():
     raise RewardError(err.decode(errors="replace").strip().splitlines()[-1])
@@ -271,13 +272,45 @@ def execute(code: str, tests: str | None = None, stdin: str = "", limits: Limits
   if tests is not None:
     passed = passed and text.rstrip().endswith(marker)
     text = text.rstrip()[:-len(marker)] if passed else text
-  return Result(text, returncode, timed_out, truncated, passed, pgid)
+  return Result(text, returncode, timed_out, truncated, passed, pgid, uid)
+
+
+@contextlib.contextmanager
+def _uid_lease():
+  """As root, a uid of UIDS that no other run on this host holds (an flock on its file in
+  UID_LOCKS, root's own folder; released when the run ends or its process dies), else None.
+  RLIMIT_NPROC counts a uid's processes and a sweep kills all of them, so two runs, of one
+  process or of two (pytest's workers, a host's JAX processes), never share one."""
+  if os.geteuid() != 0:
+    yield None
+    return
+  os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+  st = os.lstat(UID_LOCKS)
+  if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+    raise RewardError(f"sandbox: {UID_LOCKS} must be a folder root alone can open (it holds "
+                      "the uids' locks); remove it")
+  start = os.getpid() % len(UIDS)  # each process from its own place: a uid's next run is
+  while True:  # rarely another process's, which a check for what a run left would count
+    for uid in (*UIDS[start:], *UIDS[:start]):
+      fd = os.open(os.path.join(UID_LOCKS, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                   0o600)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        continue
+      try:
+        yield uid
+      finally:
+        os.close(fd)
+      return
+    time.sleep(0.05)  # every uid in use: wait for one
 
 
 def _launcher_argv(spec: dict) -> list[str]:
   package_root = str(pathlib.Path(__file__).resolve().parents[2])
   return [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {package_root!r}); "
-          "from reasoner.rewards import sandbox; sandbox._launch(sys.argv[1])", json.dumps(spec)]
+          "from reasoner.rewards import launcher; launcher.main(sys.argv[1])", json.dumps(spec)]
 
 
 def _run_launcher(spec: dict, feed, limits: Limits):
@@ -325,175 +358,3 @@ def _run_launcher(spec: dict, feed, limits: Limits):
   proc.stdout.close()
   proc.stderr.close()
   return bytes(bufs[out_fd]), bytes(bufs[err_fd]), returncode, timed_out, truncated, proc.pid
-
-
-# the launcher's side, in a new process
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
-               "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21, "strictatime": 1 << 24}
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-INNER_UID = 1000  # the code's uid in the nested user namespace (not root)
-
-
-def _launch(arg: str) -> None:
-  """The launcher: forks the sandbox (set up as `spec` says), waits for it, kills and reaps
-  what it left, exits with its status; one line and SETUP_FAILED where the setup fails."""
-  spec = json.loads(arg)
-  err = os.dup(2)  # closed on exec
-  try:
-    if spec["mode"] == "sweep":
-      _kill_uid(spec["uid"])
-      os._exit(0)
-    user, ns = spec["mode"] == "user", spec["mode"] != "limits"
-    if ns:  # the pid namespace (and the user one) made here: the sandbox is its pid 1
-      _check(_libc().unshare(CLONE_NEWPID | (CLONE_NEWUSER if user else 0)), "unshare")
-      if user:
-        _map(f"0 {os.getuid()} 1", f"0 {os.getgid()} 1")
-    _check(_libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
-    sandbox = []
-    signal.signal(signal.SIGTERM, lambda *_: sandbox and _kill(sandbox[0]))  # the host's stop
-    pid = os.fork()
-    if pid == 0:
-      if ns:
-        _mounts(spec)
-      _exec(spec)
-    sandbox.append(pid)
-    os._exit(_supervise(sandbox, None if ns else spec["uid"]))
-  except Exception as e:  # a setup step, in one line: a RewardError on the host
-    os.write(err, f"sandbox: {e}\n".encode())
-    os._exit(SETUP_FAILED)
-
-
-def _kill(pid: int) -> None:
-  with contextlib.suppress(ProcessLookupError):
-    os.kill(pid, signal.SIGKILL)
-
-
-def _supervise(sandbox: list[int], uid: int | None) -> int:
-  """The sandbox's exit status, once it ended and `uid`'s processes (without a pid namespace)
-  and all its descendants (orphans come here, their subreaper) are killed and reaped."""
-  os.closerange(0, 2)  # stdin, stdout: the host's EOF is the sandbox's alone
-  _, status = os.waitpid(sandbox[0], 0)
-  sandbox.clear()
-  if uid is not None and os.fork() == 0:
-    with contextlib.suppress(OSError):
-      _kill_uid(uid)
-    os._exit(0)
-  while True:
-    for name in filter(str.isdigit, os.listdir("/proc")):
-      with contextlib.suppress(OSError), open(f"/proc/{name}/stat") as f:  # OSError: gone
-        if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-          _kill(int(name))
-    try:
-      os.waitpid(-1, 0)
-    except ChildProcessError:
-      break
-  code = os.waitstatus_to_exitcode(status)
-  return code if code >= 0 else 128 - code
-
-
-def _kill_uid(uid: int) -> None:
-  """As `uid` (never root), kills all its processes: kill(-1) spares only the caller."""
-  _drop(uid)
-  _kill(-1)
-
-
-@functools.cache
-def _libc():
-  libc = ctypes.CDLL(None, use_errno=True)
-  libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-  libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-  return libc
-
-
-def _check(result: int, what: str) -> None:
-  if result != 0:
-    raise OSError(f"{what}: {os.strerror(ctypes.get_errno())}")
-
-
-def _mount(src, target: str, fstype, flags: int, data=None) -> None:
-  enc = lambda s: s.encode() if s is not None else None
-  _check(_libc().mount(enc(src), target.encode(), enc(fstype), flags, enc(data)),
-         f"mount {target}")
-
-
-def _map(uid_map: str, gid_map: str) -> None:
-  for name, text in (("setgroups", "deny"), ("uid_map", uid_map), ("gid_map", gid_map)):
-    with open(f"/proc/self/{name}", "w") as f:
-      f.write(text)
-
-
-def _mounts(spec: dict) -> None:
-  """In the sandbox (pid 1): mount, network, IPC and UTS namespaces, a fresh /proc, the folders
-  hidden, a tmpfs cwd with the job, the rest read-only; not root, a nested user namespace."""
-  user = spec["mode"] == "user"
-  with open(os.path.join(spec["box"], "job.json"), "rb") as f:
-    job = f.read()
-  _check(_libc().unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-  _mount(None, "/", None, MS_REC | MS_PRIVATE)
-  _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-  keep = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in spec["keep"]]
-  for folder in spec["hide"]:  # parents first
-    os.makedirs(folder, exist_ok=True)
-    _mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-  for path, fd in keep:
-    os.makedirs(path, exist_ok=True)
-    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-    os.close(fd)
-  box, owner = spec["box"], "" if user else f",uid={spec['uid']},gid={spec['uid']}"
-  os.makedirs(box, exist_ok=True)
-  _mount("tmpfs", box, "tmpfs", MS_NOSUID | MS_NODEV,
-         f"size={spec['box_mb']}m,nr_inodes=4096,mode=700{owner}")
-  fd = os.open(os.path.join(box, "job.json"), os.O_WRONLY | os.O_CREAT, 0o600)
-  os.write(fd, job)
-  if not user:
-    os.fchown(fd, spec["uid"], spec["uid"])
-  os.close(fd)
-  _read_only(box)
-  if user:
-    _check(_libc().unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare (nested user namespace)")
-    _map(f"{INNER_UID} 0 1", f"{INNER_UID} 0 1")
-
-
-def _read_only(box: str) -> None:
-  """Every mount but `box` (and /proc's) read-only, in this mount namespace."""
-  with open("/proc/self/mountinfo") as f:
-    mounts = [line.split() for line in f]
-  unescape = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), s)
-  for fields in mounts:
-    target, options = unescape(fields[4]), fields[5].split(",")
-    if "ro" in options or target in (box, "/proc") or target.startswith("/proc/"):
-      continue
-    try:
-      _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY |
-             sum(MOUNT_FLAGS.get(o, 0) for o in options))
-    except OSError:
-      if os.path.ismount(target):  # else under another mount: out of reach already
-        raise
-
-
-def _drop(uid: int) -> None:
-  """To `uid`, for good (no groups, no capabilities); never to root."""
-  os.setgroups([])
-  os.setresgid(uid, uid, uid)
-  os.setresuid(uid, uid, uid)
-  if uid == 0 or os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
-    raise OSError(f"could not drop to uid {uid}")
-
-
-def _exec(spec: dict) -> None:
-  """In the sandbox: a session of its own (kill(0) reaches no launcher), the limits, the uid,
-  no new privileges, death with the launcher, the cwd, stderr to /dev/null, the interpreter."""
-  os.setsid()
-  for res, soft, hard in spec["rlimits"]:
-    resource.setrlimit(res, (soft, hard))
-  if spec["uid"] is not None:
-    _drop(spec["uid"])
-  _check(_libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-  _check(_libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
-  os.chdir(spec["box"])
-  os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the original closed on exec
-  os.execve(spec["python"], spec["argv"], spec["env"])
