@@ -150,6 +150,23 @@ def judged(cfg: Config) -> bool:
   return any(s.fn == "judge" for s in cfg.rewards)
 
 
+OWN_CATEGORY = {"arithmetic": "math", "gsm8k": "math", "instructions": "instructions",
+                "ifeval": "instructions"}  # the generated and preset sources' records'
+
+
+def judged_share(cfg: Config) -> float:
+  """The share of a step's prompts the judge reward scores, by the mixture's weights: a source
+  counts where the judge names its records' category (`category`, or a generated or preset
+  source's own) or where its records may carry any (a file's, no `category`); 1.0 without a
+  mixture or where the judge scores every category."""
+  cats = next((s.categories for s in cfg.rewards if s.fn == "judge"), ())
+  if cfg.data.mixture is None or cats is None:
+    return 1.0 if judged(cfg) else 0.0
+  own = lambda m: m.category or OWN_CATEGORY.get(m.source)
+  weight = sum(m.weight for m in cfg.data.mixture if own(m) is None or own(m) in cats)
+  return weight / sum(m.weight for m in cfg.data.mixture)
+
+
 def taught(cfg: Config) -> bool:
   """Whether the config names distillation's teacher."""
   return cfg.distill.teacher is not None or cfg.distill.teacher_lora is not None

@@ -145,4 +145,5 @@ def test_the_planner_plans_the_judge_on_its_own_chips():
   full = sum(x.nbytes for x in jax.tree.leaves(weights))
   assert full / 8 < judge.arguments < full / 2  # its weights split over its own four chips
   text = report_lib.format_report(report)
-  assert "(on 4 chips of its own; 1 batch a step)" in text and "judge + train" in text
+  assert ("(on 4 chips of its own; 1 batch a step at most, 1.00 on average at the mixture's "
+          "judged share 1.00)") in text and "judge + train" in text

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import ROOT, dense_grade_probs, tiny_config
 from reasoner import mesh as mesh_lib
+from reasoner import build as build_lib
 from reasoner.build import build
 from reasoner.config import ConfigError, EvalSet
 from reasoner.data import sources
@@ -301,6 +302,17 @@ def test_the_planner_counts_a_pass_a_completion_with_its_criteria():
   cfg = tiny_config(*JUDGED, "judge.max_criteria=0", "train.batch_size=2",
                     "rollout.num_generations=4")  # no rubrics: a prompt a completion
   assert plan.judge_batches({"cfg": cfg}) == 1
+  # a mixture: only the prompts of categories the judge names cost passes; on average, each of
+  # a step's prompts drawn by weight (arithmetic 3 : a file of any category 1: a quarter)
+  mix = ("data.mixture=[{name: a, source: arithmetic, weight: 3}, "
+         f"{{name: g, source: jsonl, path: {GENERAL}, weight: 1, num_eval: 2}}]")
+  cfg = tiny_config(*JUDGED, "data.source=arithmetic", "data.path=null", mix,
+                    "train.batch_size=2", "rollout.num_generations=4", "judge.batch_size=4")
+  assert build_lib.judged_share(cfg) == 0.25
+  assert plan.judge_batches({"cfg": cfg}) == 2  # both prompts judged: 8 rows, 4 a pass
+  # n of 2 prompts judged ~ Binomial(2, 1/4): 1 pass for one (6/16), 2 for both (1/16)
+  assert plan.judge_batches({"cfg": cfg}, average=True) == pytest.approx(6 / 16 + 2 / 16)
+  assert build_lib.judged_share(tiny_config(*JUDGED)) == 1.0  # no mixture
   setup = build(tiny_config(*JUDGED, "judge.max_tokens=256"), abstract=True)
   judge = Judge.abstract(setup)
   fn, args = judge.planned()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from reasoner import mesh as mesh_lib
-from reasoner.build import build, judged, taught
+from reasoner.build import build, judged, judged_share, taught
 from reasoner.chips import CHIPS, Chip, collective_seconds, local_chip
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.engine import heads
@@ -188,13 +188,15 @@ def teacher_plan(setup, chip: Chip) -> tuple[StepPlan, str]:
   return compile_plan(fn, args, {}, "teacher", b, b * g, chip), where
 
 
-def judge_batches(report: dict[str, Any]) -> int:
-  """Judge batches a GRPO step scores, at most: every completion of the rollout, a row each, or
-  where records carry rubrics a pass each, its criteria in it (`judge_plan`); a row a criterion
-  where the criterion prompt shares no prefix."""
-  cfg = report["cfg"]
+def judge_batches(report: dict[str, Any], average: bool = False) -> float:
+  """Judge batches a GRPO step scores: at most (every completion, a row each, or with rubrics a
+  pass each, its criteria in it, `judge_plan`; a row a criterion where the criterion prompt
+  shares no prefix), or on `average`, each prompt the judge's with the `judged_share`."""
+  cfg, b, p = report["cfg"], report["cfg"].train.batch_size, judged_share(report["cfg"])
   k = max(1, cfg.judge.max_criteria) if prefix_template(cfg.judge.criterion_prompt) is None else 1
-  return -(-cfg.train.batch_size * cfg.rollout.num_generations * k // cfg.judge.batch_size)
+  batches = lambda n: -(-n * cfg.rollout.num_generations * k // cfg.judge.batch_size)
+  return sum(math.comb(b, n) * p**n * (1 - p)**(b - n) * batches(n)
+             for n in range(b + 1)) if average else batches(b)
 
 
 def sides(report: dict[str, Any], rollout: str = "rollout") -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reasoner.build import judged_share
 from reasoner.chips import SESSION, Chip, GiB, collective_seconds
 from reasoner.planner.plan import StepPlan, judge_batches, sides, step_seconds
 
@@ -86,11 +87,12 @@ def format_report(report: dict[str, Any]) -> str:
   if "rollout_train" in report:
     lines.append(_row(report["rollout_train"], chip) + "  (training layout)")
   if "judge" in report:
-    j = report["judge"]
-    n = judge_batches(report)
-    crit = report["cfg"].judge.max_criteria
-    lines.append(_row(j, chip) + f"  (on {report['judge_on']}; {n} batch{'es' * (n > 1)} a "
-                 + (f"step at most, {crit} criteria a completion)" if crit else "step)"))
+    n, mean, crit = (judge_batches(report), judge_batches(report, average=True),
+                     report["cfg"].judge.max_criteria)
+    lines.append(_row(report["judge"], chip) + f"  (on {report['judge_on']}; {n} batch"
+                 f"{'es' * (n > 1)} a step at most, {mean:.2f} on average at the mixture's "
+                 f"judged share {judged_share(report['cfg']):.2f}"
+                 + (f", {crit} criteria a completion)" if crit else ")"))
   if "teacher" in report:
     lines.append(_row(report["teacher"], chip) + f"  (on {report['teacher_on']}; once a step)")
   for what, tried in report["tried"].items():
