@@ -159,9 +159,11 @@ def judged_share(cfg: Config) -> float:
   counts where the judge names its records' category (`category`, or a generated or preset
   source's own) or where its records may carry any (a file's, no `category`); 1.0 without a
   mixture or where the judge scores every category."""
-  cats = next((s.categories for s in cfg.rewards if s.fn == "judge"), ())
+  if not judged(cfg):
+    return 0.0
+  cats = next(s.categories for s in cfg.rewards if s.fn == "judge")
   if cfg.data.mixture is None or cats is None:
-    return 1.0 if judged(cfg) else 0.0
+    return 1.0
   own = lambda m: m.category or OWN_CATEGORY.get(m.source)
   weight = sum(m.weight for m in cfg.data.mixture if own(m) is None or own(m) in cats)
   return weight / sum(m.weight for m in cfg.data.mixture)

@@ -313,6 +313,7 @@ def test_the_planner_counts_a_pass_a_completion_with_its_criteria():
   # n of 2 prompts judged ~ Binomial(2, 1/4): 1 pass for one (6/16), 2 for both (1/16)
   assert plan.judge_batches({"cfg": cfg}, average=True) == pytest.approx(6 / 16 + 2 / 16)
   assert build_lib.judged_share(tiny_config(*JUDGED)) == 1.0  # no mixture
+  assert build_lib.judged_share(tiny_config("data.source=arithmetic", "data.path=null", mix)) == 0
   setup = build(tiny_config(*JUDGED, "judge.max_tokens=256"), abstract=True)
   judge = Judge.abstract(setup)
   fn, args = judge.planned()
