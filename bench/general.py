@@ -2,9 +2,9 @@
 generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
 arithmetic-only run of the same steps and SFT -> GRPO on the same mixture.
 
-    make bench BENCH=general        (python -m bench general; 2 to 4 hours on 2 cores: the
-                                     general run 30 to 60 min, SFT -> GRPO 88, arithmetic alone
-                                     45-80; `long` 80 min)
+    make bench BENCH=general        (python -m bench general; 1.5 to 4 hours on 2 cores: the
+                                     general run 30 to 60 min, SFT -> GRPO 42 to 88, arithmetic
+                                     alone 23 to 80; `long` 80 min)
 
 Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
 included, so its wall time is `make general`'s and its "before" rows (samples.jsonl) are the
