@@ -112,9 +112,11 @@ def paired_change(before: list[dict], after: list[dict]) -> dict | None:
   """The change of one evaluation set from `before` to `after` (rows of `evaluate`), paired by
   question: accuracy where the rows have reference answers, else the mean reward; the
   difference's standard error is that of the per-question differences, so what the two share
-  (a question's difficulty) cancels. None where no question is in both."""
-  theirs = {r["question"]: r for r in before}
-  pairs = [(theirs[r["question"]], r) for r in after if r["question"] in theirs]
+  (a question's difficulty) cancels. Each question once, its latest row on each side: a run
+  trained on past its end evaluates again, beside its earlier rows. None where no question is
+  in both."""
+  theirs, ours = ({r["question"]: r for r in rows} for rows in (before, after))
+  pairs = [(theirs[q], r) for q, r in ours.items() if q in theirs]
   if not pairs:
     return None
   metric = ("accuracy" if all(a.get("correct") is not None and b.get("correct") is not None

@@ -83,6 +83,9 @@ def test_paired_change_equals_its_dense_computation():
   c = paired_change(no_answer(b), no_answer(a * 0.25))
   assert c["metric"] == "mean_reward" and c["change"] == pytest.approx((a * 0.25 - b).mean())
   assert paired_change(rows(b), [{"question": "x", "correct": 1.0, "reward": 1.0}]) is None
+  # a run trained on past its end: its earlier evaluation's rows, then the latest's
+  c = paired_change(rows(b), rows(1 - a) + rows(a))
+  assert c["n"] == 300 and c["change"] == pytest.approx(d.mean())
   assert standard_error([1.0, float("nan"), 3.0]) == pytest.approx(1.0)
   assert math.isnan(standard_error([1.0]))
 
