@@ -150,8 +150,9 @@ def judged(cfg: Config) -> bool:
   return any(s.fn == "judge" for s in cfg.rewards)
 
 
-OWN_CATEGORY = {"arithmetic": "math", "gsm8k": "math", "instructions": "instructions",
-                "ifeval": "instructions"}  # the generated and preset sources' records'
+# the generated sources' records' category, and the preset sources' (their mapping's)
+OWN_CATEGORY = {"arithmetic": "math", "instructions": "instructions",
+                **{name: preset["category"] for name, preset in sources.PRESETS.items()}}
 
 
 def judged_share(cfg: Config) -> float:

@@ -72,7 +72,7 @@ def offline_data(cfg) -> list[str]:
             *(["data.source=arithmetic", "data.num_eval=8"] if math else
               ["data.source=jsonl", "data.path=data/general.jsonl", "data.num_eval=4"])]
   mix, default = [], {f.name: f.default for f in dataclasses.fields(d.mixture[0])}
-  gone = [m for m in d.mixture if m.source != "gsm8k" and not here(m)]
+  gone = from_network(d)
   for m in d.mixture:
     if m.source == "gsm8k":
       mix.append({"name": m.name, "source": "arithmetic", "weight": m.weight, "category": "math",
@@ -94,13 +94,18 @@ def offline_rewards(cfg) -> list[str]:
   rewards = [dataclasses.asdict(r) for r in cfg.rewards]
   tested = [r for r in rewards if r["fn"] == "tests_pass"]
   judge = next((r for r in rewards if r["fn"] == "judge"), None)
-  if cfg.data.mixture is None or not tested or judge is None or all(
-      here(m) for m in cfg.data.mixture if m.source != "gsm8k"):
+  if cfg.data.mixture is None or not tested or judge is None or not from_network(cfg.data):
     return []
   moved = [r["categories"] for r in tested]
   judge["categories"] = None if None in moved or judge["categories"] is None else [
       *judge["categories"], *(c for cats in moved for c in cats)]
   return [f"rewards={json.dumps([r for r in rewards if r['fn'] != 'tests_pass'])}"]
+
+
+def from_network(d) -> list:
+  """A mixture's sources that `offline_data` replaces by data/general.jsonl: the Hub's and
+  Kaggle's datasets and files not here (GSM8K becomes the arithmetic set)."""
+  return [m for m in d.mixture if m.source != "gsm8k" and not here(m)]
 
 
 def here(c) -> bool:

@@ -151,24 +151,25 @@ def _record(row: dict, cfg, where: str, section: str, texts: dict[str, str],
           "category": None if category is None else str(category),
           "rubric": rubric(row.get(cfg.rubric_field), where, f"{section}.rubric_field"),
           **written,
-          **{k: row[f] for k in ("constraints", "tests")
-             if (f := getattr(cfg, f"{k}_field", None)) and row.get(f) is not None},
-          **_paired_constraints(row, cfg, where),
+          **{k: v for k, v in (("constraints", _constraints(row, cfg, where)),
+                               ("tests", row.get(getattr(cfg, "tests_field", None) or "")))
+             if v is not None},
           **({level: str(row[level])} if level and row.get(level) is not None else {})}
 
 
-def _paired_constraints(row: dict, cfg, where: str) -> dict:
-  """{"constraints": [{kind, args}]} from IFEval's layout, a list of kinds and a list of their
-  arguments (`constraint_args_field`); {} where the record has none or the layout is not set."""
+def _constraints(row: dict, cfg, where: str) -> list | None:
+  """A record's constraints, as its constraints_field holds them ([{kind, args}]) or, in
+  IFEval's layout, its list of kinds paired with its list of their arguments
+  (`constraint_args_field`); None where it has none."""
+  kinds = row.get(getattr(cfg, "constraints_field", None) or "")
   field = getattr(cfg, "constraint_args_field", None)
-  kinds = row.get(cfg.constraints_field) if field else None
-  if kinds is None:
-    return {}
+  if kinds is None or field is None:
+    return kinds
   args = row.get(field)
   if not (isinstance(kinds, list) and isinstance(args, list) and len(args) == len(kinds)):
     raise DataError(f"{where}: '{cfg.constraints_field}' and '{field}' must be lists of the "
                     f"same length, a kind and its arguments each (got {kinds!r} and {args!r})")
-  return {"constraints": [{"kind": k, "args": a or {}} for k, a in zip(kinds, args)]}
+  return [{"kind": k, "args": a or {}} for k, a in zip(kinds, args)]
 
 
 def rubric(value, where: str, key: str) -> tuple[tuple[str | dict, float], ...] | None:
