@@ -78,7 +78,9 @@ RUNS = {"general": [("train", [])],
         "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
         "explore": [("train", [*AFTER_ONLY, *EXPLORE])],
         "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])],
-        "long": [("train", [*AFTER_ONLY, *EXPLORE, "train.steps=64", "train.eval_every=32"])]}
+        "long": [("train", [*AFTER_ONLY, *EXPLORE, "train.steps=64", "train.eval_every=32"])],
+        "guided": [("train", [*AFTER_ONLY, "grpo.guidance=true",
+                              "grpo.guidance_categories=[instructions]"])]}
 DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s runs
 
 

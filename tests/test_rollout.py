@@ -265,3 +265,70 @@ def test_a_bad_eval_set_is_one_line_naming_its_key(sets, message):
   with pytest.raises((ConfigError, DataError)) as e:
     build(tiny_config(f"eval.sets={sets}"))
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+class MatchRewards(Rewards):
+  """1 for a completion equal to its record's answer (every completion where it has none), else
+  0: a group's samples from the tiny model never match, its written response does."""
+
+  def __init__(self):
+    pass
+
+  def __call__(self, prompts, completions, answer=(), **_):
+    total = np.asarray([1.0 if a is None or c == a else 0.0 for c, a in zip(completions, answer)],
+                       np.float32)
+    return total, {"match": total}
+
+
+def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
+  """grpo.guidance: a group whose samples all score below its record's response trains on the
+  response (its tokens and the stop token) in place of its lowest-scoring sample, with the
+  response's reward and a positive advantage; the other rows are the samples of a run without
+  guidance, row for row. Not guided: a record outside guidance_categories, one whose response
+  does not fit max_new_tokens, and one whose samples already score as high. The rollout's
+  metrics stay the samples'; no log-prob forward is dispatched before scoring."""
+  from reasoner.data.examples import stop_id
+  from reasoner.engine import rollout as rollout_lib
+  from reasoner.objectives.grpo import early_forwards
+
+  records = [dict(r, answer="ok", response="ok") for r in setup.train_records[:B]]
+  records[1].update(category="creative", question="Say ok.")  # outside guidance_categories
+  records[2]["response"] = "far too long a response"  # over max_new_tokens = 6
+  records[3]["answer"] = None  # every sample scores 1, as the response does
+  runs = {}
+  for guidance in (False, True):
+    grpo = dataclasses.replace(setup.cfg.grpo, guidance=guidance,
+                               guidance_categories=("math",))
+    s = dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, grpo=grpo),
+                            rewards=MatchRewards())
+    trainer = Trainer.for_run(s.graphdef, s.base, s.cfg)
+    r = rollout_lib.draw(s, Sampler.for_run(s), s.lora, records, jax.random.PRNGKey(3))
+    batch, metrics = rollout(s, Sampler.for_run(s), trainer, s.lora, records,
+                             jax.random.PRNGKey(3))
+    runs[guidance] = r, batch, metrics
+  assert early_forwards(s, trainer, s.lora)[0] is None
+  (off, _, m_off), (on, batch, m_on) = runs[False], runs[True]
+  np.testing.assert_array_equal(on.guided, [True, False, False, False])
+  assert m_on["guided_groups"] == 1 and "guided_groups" not in m_off
+  assert m_on["reward/mean"] == m_off["reward/mean"]  # the samples' figures
+  ids = [*setup.tokenizer.encode("ok"), stop_id(setup.cfg.data.template, setup.tokenizer)]
+  n = len(ids)
+  np.testing.assert_array_equal(on.host["completion"][0, :n], ids)
+  np.testing.assert_array_equal(on.host["completion_mask"][0], np.arange(6) < n)
+  assert not on.host["sampler_logp"][0].any()
+  np.testing.assert_array_equal(on.rewards, [1, 0, 0, 0] + [0] * 8 + [1] * 4)
+  for k in ("completion", "completion_mask", "sampler_logp"):
+    np.testing.assert_array_equal(on.host[k][1:], off.host[k][1:])
+  adv = np.asarray(batch.advantages)
+  assert adv[0] > 0 and (adv[1:G] < 0).all() and not adv[G:].any()
+  np.testing.assert_array_equal(np.asarray(batch.completion)[0, :n], ids)
+
+
+def test_guidance_refuses_the_sampler_weight():
+  from reasoner.errors import ConfigError
+
+  with pytest.raises(ConfigError, match="'grpo.guidance' = True: expected false with "
+                                        "grpo.sampler_is: token"):
+    GRPOConfig(guidance=True, sampler_is="token")
+  with pytest.raises(ConfigError, match="grpo.guidance_categories"):
+    GRPOConfig(guidance=True, guidance_categories=())

@@ -126,6 +126,13 @@ class GRPOConfig:
   # to max_sample_batches batches; short of that, the step trains on the groups it has.
   dynamic_sampling: bool = False
   max_sample_batches: int = 4
+  # Guidance by the record's written response (LUFFY's off-policy guidance, arXiv 2504.14945):
+  # a group none of whose samples scores as high as its record's `response` trains on that
+  # response in place of its lowest-scoring sample, so that a structure the policy never
+  # samples (JSON, a title) still gets a positive advantage. Only records of
+  # guidance_categories (null: any record with a response) that fit rollout.max_new_tokens.
+  guidance: bool = False
+  guidance_categories: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if self.sampler_is_cap < 1:
@@ -149,6 +156,13 @@ class GRPOConfig:
       _fail("grpo.overlong_penalty", self.overlong_penalty, "a non-negative number")
     if self.max_sample_batches < 1:
       _fail("grpo.max_sample_batches", self.max_sample_batches, "at least 1")
+    if self.guidance and self.sampler_is != "off":
+      _fail("grpo.guidance", self.guidance, "false with grpo.sampler_is: token (a written "
+            "response has no sampler log-probs to weigh it by)")
+    if self.guidance_categories is not None and (not self.guidance_categories
+                                                 or not all(self.guidance_categories)):
+      _fail("grpo.guidance_categories", list(self.guidance_categories),
+            "a non-empty list of category names, or null for every record")
 
 
 

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 import numpy as np
 
-from reasoner.data import prompts as prompts_lib
+from reasoner.data import examples, prompts as prompts_lib
 from reasoner.engine.sampler import Completions, Sampler, SamplingConfig
 from reasoner.rewards import builtin
 
@@ -72,6 +72,7 @@ class Rollout(NamedTuple):
   rounds: list  # every Groups drawn
   chosen: list  # (Groups, index) of each of the B groups, in batch order
   trained: list  # [B] bool: False for dynamic sampling's fillers (their loss masked out)
+  guided: np.ndarray | None = None  # [B] bool: the groups `guide` gave a written response
 
 
 def draw(setup, sampler: Sampler, lora, records: list[dict], key: jax.Array,
@@ -94,7 +95,49 @@ def draw(setup, sampler: Sampler, lora, records: list[dict], key: jax.Array,
     trained = [not dropped for dropped, _, _ in ranked]
   host, rewards = assemble(chosen, g, trained, setup.tokenizer.pad_id,
                            cfg.grpo.mask_truncated_completions)
-  return Rollout(host, rewards, rounds, chosen, trained)
+  guided = guide(setup, chosen, trained, host, rewards) if cfg.grpo.guidance else None
+  return Rollout(host, rewards, rounds, chosen, trained, guided)
+
+
+def guide(setup, chosen: list, trained: list[bool], host: dict, rewards: np.ndarray
+          ) -> np.ndarray:
+  """`grpo.guidance`, in place on `assemble`'s `host` and `rewards`: in each trained group whose
+  best sample scores below its record's written `response` (of guidance_categories, within
+  rollout.max_new_tokens with its stop token), the lowest-scoring sample becomes that response,
+  scored by the run's rewards. Its sampler log-probs are 0: an on-policy loss never reads them
+  (pi_old is pi_theta's, stop-gradient) and grpo.sampler_is must be off. [B] bool: the groups
+  guided. The rollout's metrics stay those of the samples."""
+  cfg, g, tok = setup.cfg, setup.cfg.rollout.num_generations, setup.tokenizer
+  cats, n = cfg.grpo.guidance_categories, host["completion"].shape[1]
+  stop = examples.stop_id(cfg.data.template, tok)
+  picks = []
+  for j, (r, i) in enumerate(chosen):
+    rec = r.records[i]
+    if trained[j] and rec.get("response") and (cats is None or rec.get("category") in cats):
+      ids = [*tok.encode(rec["response"]), stop]
+      if len(ids) <= n:
+        picks.append((j, rec, ids))
+  guided = np.zeros(len(chosen), bool)
+  if not picks:
+    return guided
+  total, _ = setup.rewards.score(
+      [prompts_lib.render_record(cfg.data.template, rec) for _, rec, _ in picks],
+      [rec["response"] for _, rec, _ in picks], [rec for _, rec, _ in picks])
+  o = cfg.grpo
+  if o.overlong_buffer:
+    total = total + builtin.overlong(np.asarray([len(ids) for *_, ids in picks]),
+                                     cfg.rollout.max_new_tokens, o.overlong_buffer,
+                                     o.overlong_penalty)
+  for (j, _, ids), t in zip(picks, total):
+    group = rewards[j * g:(j + 1) * g]
+    if t > group.max():
+      k = j * g + int(np.argmin(group))
+      host["completion"][k] = tok.pad_id
+      host["completion"][k, :len(ids)] = ids
+      host["completion_mask"][k] = np.arange(n) < len(ids)
+      host["sampler_logp"][k] = 0.0
+      rewards[k], guided[j] = t, True
+  return guided
 
 
 def assemble(chosen: list, g: int, trained: list[bool], pad_id: int,
@@ -144,6 +187,7 @@ def metrics(rollout: Rollout) -> dict:
           "frac_reward_zero_std": float(zero_std.mean()),
           "groups_drawn": len(zero_std), "groups_trained": sum(rollout.trained),
           "refill_rounds": len(rounds) - 1, "rollout_tokens": int(lengths.sum()),
+          **({} if rollout.guided is None else {"guided_groups": int(rollout.guided.sum())}),
           "rollout_tokens_per_s": float(lengths.sum() / seconds), "rollout_s": seconds,
           "reward_s": sum(r.reward_seconds for r in rounds),
           **by_category(per_fn, cat(lambda r: np.repeat(

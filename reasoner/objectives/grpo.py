@@ -328,9 +328,11 @@ def early_forwards(setup, trainer: GRPOTrainer, lora) -> tuple[Callable | None, 
   round's tokens reach the host, so that the chips run them while the host detokenises and
   scores. They need the tokens alone; a row that the batch then masks out (a truncated one, with
   `grpo.mask_truncated_completions`) gets log-probs that no loss reads. None where there is
-  nothing to run, or with dynamic sampling (which may reorder the batch)."""
+  nothing to run, with dynamic sampling (which may reorder the batch) or with guidance (which
+  may replace a row after scoring)."""
   cfg, out = setup.cfg, {}
-  if cfg.grpo.dynamic_sampling or (cfg.grpo.beta <= 0 and cfg.grpo.num_iterations == 1):
+  if (cfg.grpo.dynamic_sampling or cfg.grpo.guidance
+      or (cfg.grpo.beta <= 0 and cfg.grpo.num_iterations == 1)):
     return None, out
 
   def then(prompt, prompt_valid, completion, completion_mask):
