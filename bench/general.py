@@ -27,7 +27,9 @@ samples; what training's own noise, which no paired standard error holds, does t
 and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
 learning rate 3e-5: more instruction prompts and more varied groups, from two seeds), and
 `long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
-the instructions need more steps than the preset's 25 minutes hold?).
+the instructions need more steps than the preset's 25 minutes hold?), and `guided` (the preset
+with `grpo.guidance` on the instructions: a group none of whose samples follows everything
+trains on the generator's response in place of its worst sample).
 The SFT -> GRPO run's GRPO stage evaluates before it trains too: those rows are SFT alone's
 (`sft_alone` in its figures), so one run gives SFT alone, SFT -> GRPO and, beside them, GRPO
 alone (the general run). `GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs
@@ -150,8 +152,8 @@ def main() -> None:
         rows(root / "general", "after")["arithmetic"])
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
-  # against the preset
-  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1", "long")
+  # and guidance against the preset
+  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1", "long", "guided")
             if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")

@@ -146,3 +146,11 @@ def test_config_prints_a_preset_as_resolved(capsys):
   assert tree["grpo"]["beta"] == 0.04 and tree["optim"]["learning_rate"] == 0.001  # the preset
   assert cli.main(["config", "--config", str(ROOT / "configs/tiny.yaml"), "train.steps=0"]) == 2
   assert "config key 'train.steps' = 0" in capsys.readouterr().err
+
+
+def test_guidance_refuses_the_sampler_weight():
+  with pytest.raises(ConfigError, match="'grpo.guidance' = True: expected false with "
+                                        "grpo.sampler_is: token"):
+    tiny_config("grpo.guidance=true", "grpo.sampler_is=token")
+  with pytest.raises(ConfigError, match="'grpo.guidance_categories' = \\[\\]"):
+    tiny_config("grpo.guidance=true", "grpo.guidance_categories=[]")

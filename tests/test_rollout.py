@@ -323,12 +323,3 @@ def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
   assert adv[0] > 0 and (adv[1:G] < 0).all() and not adv[G:].any()
   np.testing.assert_array_equal(np.asarray(batch.completion)[0, :n], ids)
 
-
-def test_guidance_refuses_the_sampler_weight():
-  from reasoner.errors import ConfigError
-
-  with pytest.raises(ConfigError, match="'grpo.guidance' = True: expected false with "
-                                        "grpo.sampler_is: token"):
-    GRPOConfig(guidance=True, sampler_is="token")
-  with pytest.raises(ConfigError, match="grpo.guidance_categories"):
-    GRPOConfig(guidance=True, guidance_categories=())
