@@ -23,8 +23,9 @@ Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithme
 the mixture: what the mixture costs the arithmetic); `sft_grpo` (SFT on the mixture's arithmetic
 and instructions' written responses, then the preset's GRPO from its LoRA); and, asked for by
 name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
-samples; what training's own noise, which no paired standard error holds, does to a figure)
-and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
+samples; what training's own noise, which no paired standard error holds, does to a figure),
+`arithmetic_seed1` (arithmetic alone from that seed: is the mixture's distance from arithmetic
+alone more than that noise?) and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
 learning rate 3e-5: more instruction prompts and more varied groups, from two seeds), and
 `long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
 the instructions need more steps than the preset's 25 minutes hold?), and `guided` (the preset
@@ -75,6 +76,8 @@ EXPLORE = ["data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_
 # each run's stages: (command, overrides); `{prev}` is the stage before's folder
 RUNS = {"general": [("train", [])],
         "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
+        "arithmetic_seed1": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}",
+                                        "train.seed=1"])],
         "sft_grpo": [("sft", SFT), ("train", ["train.checkpoint_every=1000",
                                               "lora.init_from={prev}"])],
         "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
@@ -150,6 +153,15 @@ def main() -> None:
     figures["mixture_vs_arithmetic_only"] = paired_change(
         rows(root / "arithmetic", "after")["arithmetic"],
         rows(root / "general", "after")["arithmetic"])
+  if "arithmetic" in figures["runs"] and "arithmetic_seed1" in figures["runs"]:
+    # one recipe, two seeds: how far training's own noise moves the arithmetic
+    figures["arithmetic_seed1_vs_seed0"] = {s: paired_change(
+        rows(root / "arithmetic", "after")[s], rows(root / "arithmetic_seed1", "after")[s])
+        for s in SETS}
+    if "general" in figures["runs"]:
+      figures["mixture_vs_arithmetic_only_seed1"] = paired_change(
+          rows(root / "arithmetic_seed1", "after")["arithmetic"],
+          rows(root / "general", "after")["arithmetic"])
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
   # and guidance against the preset
