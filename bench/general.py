@@ -154,14 +154,7 @@ def main() -> None:
         rows(root / "arithmetic", "after")["arithmetic"],
         rows(root / "general", "after")["arithmetic"])
   if "arithmetic" in figures["runs"] and "arithmetic_seed1" in figures["runs"]:
-    # one recipe, two seeds: how far training's own noise moves the arithmetic
-    figures["arithmetic_seed1_vs_seed0"] = {s: paired_change(
-        rows(root / "arithmetic", "after")[s], rows(root / "arithmetic_seed1", "after")[s])
-        for s in SETS}
-    if "general" in figures["runs"]:
-      figures["mixture_vs_arithmetic_only_seed1"] = paired_change(
-          rows(root / "arithmetic_seed1", "after")["arithmetic"],
-          rows(root / "general", "after")["arithmetic"])
+    seeds(figures, root)
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
   # and guidance against the preset
@@ -173,6 +166,24 @@ def main() -> None:
       after = rows(root / name, "after")
       figures[f"{name}_vs_general"] = {s: paired_change(general[s], after[s]) for s in SETS}
   _write(figures, root)
+
+
+def seeds(figures: dict, root: pathlib.Path) -> None:
+  """Arithmetic alone from two seeds: their distance (training's own noise, which no paired
+  standard error holds) and the mixture's from each and from their mean, question by question
+  (a question's accuracy the two seeds' average)."""
+  from reasoner.evaluation import paired_change
+
+  a0, a1 = rows(root / "arithmetic", "after"), rows(root / "arithmetic_seed1", "after")
+  figures["arithmetic_seed1_vs_seed0"] = {s: paired_change(a0[s], a1[s]) for s in SETS}
+  if "general" not in figures["runs"]:
+    return
+  mix = rows(root / "general", "after")["arithmetic"]
+  seed1 = {r["question"]: r for r in a1["arithmetic"]}
+  mean = [{"question": q, "correct": (r["correct"] + seed1[q]["correct"]) / 2}
+          for q, r in {r["question"]: r for r in a0["arithmetic"]}.items() if q in seed1]
+  figures["mixture_vs_arithmetic_only_seed1"] = paired_change(a1["arithmetic"], mix)
+  figures["mixture_vs_arithmetic_only_seeds"] = paired_change(mean, mix)
 
 
 def _instruction_sets() -> dict[str, dict[str, dict]]:
@@ -309,6 +320,10 @@ def _write(figures: dict, root: pathlib.Path) -> None:
     m = figures["mixture_vs_arithmetic_only"]
     goals.append(common.goal("arithmetic: |mixture - arithmetic only| in standard errors",
                              abs(_in_se(m)), 2.0))
+  if "mixture_vs_arithmetic_only_seeds" in figures:
+    m = figures["mixture_vs_arithmetic_only_seeds"]
+    goals.append(common.goal("arithmetic: |mixture - arithmetic only, the mean of seeds 0 and "
+                             "1| in standard errors", abs(_in_se(m)), 2.0))
   path = common.write("general", figures, {"base": figures.get("base")}, goals, runs=str(root),
                       config=CONFIG, commands="make general (the general run)")
   print(f"wrote {path}", flush=True)
