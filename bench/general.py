@@ -25,8 +25,9 @@ and instructions' written responses, then the preset's GRPO from its LoRA); and,
 name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
 samples; what training's own noise, which no paired standard error holds, does to a figure),
 `arithmetic_seed1` (arithmetic alone from that seed: is the mixture's distance from arithmetic
-alone more than that noise?) and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0,
-learning rate 3e-5: more instruction prompts and more varied groups, from two seeds), and
+alone more than that noise?) and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1,
+samples at temperature 1.0, learning rate 3e-5: more instruction prompts and more varied
+groups, from two seeds), and
 `long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
 the instructions need more steps than the preset's 25 minutes hold?), and `guided` (the preset
 with `grpo.guidance` on the instructions: a group none of whose samples follows everything

@@ -289,7 +289,7 @@ def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
   metrics stay the samples'; no log-prob forward is dispatched before scoring."""
   from reasoner.data.examples import stop_id
   from reasoner.engine import rollout as rollout_lib
-  from reasoner.objectives.grpo import early_forwards
+  from reasoner.objectives.grpo import batch_from_rollout, early_forwards
 
   records = [dict(r, answer="ok", response="ok") for r in setup.train_records[:B]]
   records[1].update(category="creative", question="Say ok.")  # outside guidance_categories
@@ -303,9 +303,7 @@ def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
                             rewards=MatchRewards())
     trainer = Trainer.for_run(s.graphdef, s.base, s.cfg)
     r = rollout_lib.draw(s, Sampler.for_run(s), s.lora, records, jax.random.PRNGKey(3))
-    batch, metrics = rollout(s, Sampler.for_run(s), trainer, s.lora, records,
-                             jax.random.PRNGKey(3))
-    runs[guidance] = r, batch, metrics
+    runs[guidance] = r, batch_from_rollout(s, trainer, s.lora, r), rollout_lib.metrics(r)
   assert early_forwards(s, trainer, s.lora)[0] is None
   (off, _, m_off), (on, batch, m_on) = runs[False], runs[True]
   np.testing.assert_array_equal(on.guided, [True, False, False, False])

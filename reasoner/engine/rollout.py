@@ -51,17 +51,26 @@ def sample_round(setup, sampler: Sampler, lora, records: list[dict], key: jax.Ar
   prompts = [p for p in prompts for _ in range(g)]
   answers = [r["answer"] for r in records for _ in range(g)]
   t0 = time.perf_counter()
-  total, per_fn = setup.rewards.score(prompts, comps.texts, records, g)
+  total, per_fn = score(setup, prompts, comps.texts, records, g, comps.mask.sum(1))
   reward_s = time.perf_counter() - t0
-  o = cfg.grpo
-  if o.overlong_buffer:
-    per_fn["overlong"] = builtin.overlong(comps.mask.sum(1), cfg.rollout.max_new_tokens,
-                                          o.overlong_buffer, o.overlong_penalty)
-    total = total + per_fn["overlong"]
   return Groups(list(records), comps, p_tok, p_mask, total, per_fn,
                 builtin.accuracy(comps.texts, answers),
                 np.asarray(builtin.format_exact(prompts, comps.texts), np.float32),
                 np.ptp(total.reshape(-1, g), axis=1) > 0, seconds, reward_s)
+
+
+def score(setup, prompts: list[str], texts: list[str], records: list[dict], g: int,
+          lengths: np.ndarray) -> tuple[np.ndarray, dict]:
+  """(total [n], per function [n]) of n completions of `lengths` tokens, G consecutive a
+  record: the run's rewards, with DAPO's overlong penalty (`per_fn["overlong"]`) added where
+  grpo.overlong_buffer sets one."""
+  cfg, o = setup.cfg, setup.cfg.grpo
+  total, per_fn = setup.rewards.score(prompts, texts, records, g)
+  if o.overlong_buffer:
+    per_fn["overlong"] = builtin.overlong(lengths, cfg.rollout.max_new_tokens,
+                                          o.overlong_buffer, o.overlong_penalty)
+    total = total + per_fn["overlong"]
+  return total, per_fn
 
 
 class Rollout(NamedTuple):
@@ -120,14 +129,10 @@ def guide(setup, chosen: list, trained: list[bool], host: dict, rewards: np.ndar
   guided = np.zeros(len(chosen), bool)
   if not picks:
     return guided
-  total, _ = setup.rewards.score(
-      [prompts_lib.render_record(cfg.data.template, rec) for _, rec, _ in picks],
-      [rec["response"] for _, rec, _ in picks], [rec for _, rec, _ in picks])
-  o = cfg.grpo
-  if o.overlong_buffer:
-    total = total + builtin.overlong(np.asarray([len(ids) for *_, ids in picks]),
-                                     cfg.rollout.max_new_tokens, o.overlong_buffer,
-                                     o.overlong_penalty)
+  recs = [rec for _, rec, _ in picks]
+  total, _ = score(setup, [prompts_lib.render_record(cfg.data.template, r) for r in recs],
+                   [r["response"] for r in recs], recs, 1,
+                   np.asarray([len(ids) for *_, ids in picks]))
   for (j, _, ids), t in zip(picks, total):
     group = rewards[j * g:(j + 1) * g]
     if t > group.max():
