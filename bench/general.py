@@ -70,6 +70,11 @@ SFT = ["sft.max_response_tokens=96", "optim.learning_rate=1e-4", "optim.warmup_s
        "train.steps=32", "train.batch_size=8", "train.eval_before=false", "eval.sets=[]",
        "data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 2}, "
        "{name: instructions, source: instructions, weight: 1, num_eval: 2}]"]
+# DPO on the generator's pairs (each instruction record's response against one that breaks
+# exactly one of its constraints; arithmetic's worked solution against the wrong operation)
+PREFER = ["prefer.loss=dpo", "prefer.beta=0.1", "prefer.pairs=file",
+          "prefer.max_response_tokens=96", "optim.learning_rate=5e-5",
+          *[o for o in SFT if not o.startswith(("sft.", "optim.learning_rate"))]]
 EXPLORE = ["data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}, "
            "{name: instructions, source: instructions, weight: 3, num_eval: 8}, "
            "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]",
@@ -81,6 +86,8 @@ RUNS = {"general": [("train", [])],
                                         "train.seed=1"])],
         "sft_grpo": [("sft", SFT), ("train", ["train.checkpoint_every=1000",
                                               "lora.init_from={prev}"])],
+        "prefer_grpo": [("prefer", PREFER), ("train", ["train.checkpoint_every=1000",
+                                                       "lora.init_from={prev}"])],
         "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
         "explore": [("train", [*AFTER_ONLY, *EXPLORE])],
         "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])],
@@ -139,10 +146,11 @@ def main() -> None:
       figures["runs"][name]["at_32"] = {
           **{s: paired_change(base[s], mid[s]) for s in SETS},
           "followed": instruction_figures(root / name, "step-32")["followed"]}
-    if name == "sft_grpo":  # its GRPO stage's evaluation before: the model after SFT alone
+    if len(RUNS[name]) > 1:  # its GRPO stage's evaluation before: the first stage alone's
       first = rows(root / name, "before")
-      figures["runs"][name]["sft_alone"] = {**{s: paired_change(base[s], first[s]) for s in SETS},
-                                            **instruction_figures(root / name, "before")}
+      figures["runs"][name][f"{RUNS[name][0][0]}_alone"] = {
+          **{s: paired_change(base[s], first[s]) for s in SETS},
+          **instruction_figures(root / name, "before")}
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
   figures["base"] = {s: {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n": len(rs)}
                      for s, rs in rows(root / "general", "before").items()}
@@ -159,7 +167,7 @@ def main() -> None:
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
   # and guidance against the preset
-  others = [n for n in ("seed1", "sft_grpo", "explore", "explore_seed1", "long", "guided")
+  others = [n for n in ("seed1", "sft_grpo", "prefer_grpo", "explore", "explore_seed1", "long", "guided")
             if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")
