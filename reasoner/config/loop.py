@@ -107,6 +107,12 @@ class TrainConfig:
   # the `wandb` extra: online with WANDB_API_KEY or `wandb login`, else offline under wandb/ to
   # upload with `wandb sync`). A wandb that is missing or fails to start falls back to TensorBoard.
   loggers: tuple[str, ...] = ("tensorboard",)
+  # Where compiled programs are kept between processes (JAX's persistent compilation cache,
+  # `engine.session.compile_cache`): a resumed session, the next stage or the same command
+  # again reads them instead of compiling (make general's second run: the compiles of its
+  # first steps and evaluation). null: compile afresh each process (to read --xla_dump_to,
+  # which a program read from the cache does not write).
+  compile_cache: str | None = "~/.cache/reasoner/jax"
 
   def __post_init__(self):
     if self.deadline is not None:
@@ -129,6 +135,8 @@ class TrainConfig:
       _fail("train.eval_every", self.eval_every, "a non-negative integer")
     if not self.loggers or not set(self.loggers) <= set(LOGGERS):
       _fail("train.loggers", list(self.loggers), "a list of " + " and/or ".join(LOGGERS))
+    if self.compile_cache is not None and not self.compile_cache.strip():
+      _fail("train.compile_cache", self.compile_cache, "a folder, or null (no cache)")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
       _fail("train.run_name", self.run_name, "letters, digits, '.', '_' or '-'")
 

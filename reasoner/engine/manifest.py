@@ -29,7 +29,7 @@ FIXED = ("model.name", "model.layers", "model.tiny_layers", "model.tiny_embed_di
          "lora.rank", "lora.alpha", "lora.module_path")
 # Where and for how long this session runs, and where it logs: not settings of the run.
 SESSION = ("train.deadline", "train.resume_from", "train.run_dir", "train.run_name",
-           "train.loggers", "lora.init_from")
+           "train.loggers", "train.compile_cache", "lora.init_from")
 STAGE_NAMES = {"grpo": "a GRPO", "sft": "an SFT", "prefer": "a preference",
                "distill": "a distillation"}
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "google-tunix",

@@ -1,4 +1,5 @@
-"""The session's clock and places: when this process started, when it must stop, where to write.
+"""The session's clock and places: when this process started, when it must stop, where to write,
+where compiled programs are kept.
 
 A Kaggle TPU session ends 9 hours after it starts, and whatever has not been saved by then is
 lost. `train.deadline` names that end (a duration from this process's start, `8h45m`, or an
@@ -117,3 +118,42 @@ def release(run: pathlib.Path) -> None:
   fd = _claimed.pop(str(run.absolute()), None)
   if fd is not None:
     os.close(fd)
+
+
+COMPILE_CACHE_BYTES = 4 << 30  # the compile cache's size; the least recently used go first
+
+
+def compile_cache(path: str | None, log=print, min_seconds: float = 1.0) -> str | None:
+  """Keeps this process's compiled programs in `path` (`train.compile_cache`), so that a later
+  process compiling the same program (a resumed session, the next stage, the same command
+  again) reads it instead: JAX's persistent compilation cache, keyed by the program, the
+  compiler's version and flags and the devices. Only programs that took `min_seconds` or more
+  to compile are kept, at most `COMPILE_CACHE_BYTES` (under its file lock: no process reads an
+  entry another is writing). A cache already set (JAX_COMPILATION_CACHE_DIR, the test suite's)
+  is left as it is. JAX runs what it finds there: a folder others can write is refused.
+  Returns the folder in use, or None."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as cc
+
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  if path is None:
+    return None
+  folder = pathlib.Path(path).expanduser()
+  try:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = folder.stat().st_mode
+    if not os.access(folder, os.W_OK):
+      raise PermissionError(f"{folder} is not writable")
+  except OSError as e:
+    log(f"compile cache: off ({e}); train.compile_cache names another folder, or null")
+    return None
+  if mode & 0o022:
+    log(f"compile cache: off ({folder} is writable by other users, and JAX runs what it "
+        "finds there); chmod go-w it, or name another in train.compile_cache")
+    return None
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+  jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+  cc.set_cache_dir(str(folder))
+  cc.reset_cache()  # a cache looked for (and found unset) by an earlier compile looks again
+  return str(folder)
