@@ -31,12 +31,14 @@ groups, from two seeds), and
 `long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
 the instructions need more steps than the preset's 25 minutes hold?), and `guided` (the preset
 with `grpo.guidance` on the instructions: a group none of whose samples follows everything
-trains on the generator's response in place of its worst sample).
-The SFT -> GRPO run's GRPO stage evaluates before it trains too: those rows are SFT alone's
-(`sft_alone` in its figures), so one run gives SFT alone, SFT -> GRPO and, beside them, GRPO
-alone (the general run). `GENERAL_RUNS=general` runs a subset; `GENERAL_DIR` keeps the runs
-(default: a temporary folder); `GENERAL_ARGS="train.steps=2 ..."` adds overrides to every
-stage (a quick look, not a figure).
+trains on the generator's response in place of its worst sample), and `prefer_grpo` (DPO on
+the generator's pairs, a response against one that breaks one constraint, then the preset's
+GRPO from its LoRA).
+A two-stage run's GRPO stage evaluates before it trains too: those rows are its first stage
+alone's (`sft_alone`, `prefer_alone` in its figures), so one run gives SFT alone, SFT -> GRPO
+and, beside them, GRPO alone (the general run). `GENERAL_RUNS=general` runs a subset;
+`GENERAL_DIR` keeps the runs (default: a temporary folder); `GENERAL_ARGS="train.steps=2 ..."`
+adds overrides to every stage (a quick look, not a figure).
 
 Goals (issue 54): the general run's prompt-level strict accuracy on new combinations up by at
 least 0.10 and 2 standard errors; its arithmetic within 2 standard errors of the arithmetic-only
@@ -167,8 +169,8 @@ def main() -> None:
   # against the general run, on every set, paired by question: the same run from another seed
   # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
   # and guidance against the preset
-  others = [n for n in ("seed1", "sft_grpo", "prefer_grpo", "explore", "explore_seed1", "long", "guided")
-            if n in figures["runs"]]
+  others = [n for n in ("seed1", "sft_grpo", "prefer_grpo", "explore", "explore_seed1", "long",
+                        "guided") if n in figures["runs"]]
   if "general" in figures["runs"] and others:
     general = rows(root / "general", "after")
     for name in others:
