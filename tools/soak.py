@@ -20,6 +20,7 @@ line, the file is removed and the run continues.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import pathlib
@@ -90,9 +91,17 @@ def remount(path: pathlib.Path, mode: str) -> None:
 
 
 def fill(path: pathlib.Path) -> pathlib.Path:
-  """Fills the file system of `path` with a ballast file until a write fails."""
+  """Fills the file system of `path` with a ballast file until a write fails. A disk the run
+  has filled already leaves none: the fault is there without it (seen once: the ballast's
+  own creation refused, ENOSPC, and the soak died instead of the run)."""
   ballast = path / "ballast"
-  with open(ballast, "wb") as f:
+  try:
+    f = open(ballast, "wb")
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    return ballast
+  with f:
     try:
       while True:
         f.write(b"\0" * (1 << 16))
@@ -164,7 +173,7 @@ class Soak:
       self.stall_file.touch()
     err = proc.communicate(timeout=600)[1]
     if kind == "full disk":
-      ballast.unlink()
+      ballast.unlink(missing_ok=True)
     self.stall_file.unlink(missing_ok=True)
     last = trained(self.run)
     if kind == "damaged checkpoint":
