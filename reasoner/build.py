@@ -17,7 +17,7 @@ from flax import nnx
 from reasoner import mesh as mesh_lib
 from reasoner.config import Config, ConfigError, check_mesh
 from reasoner.data import curriculum, prompts, sources
-from reasoner.engine import layout
+from reasoner.engine import layout, session
 from reasoner.engine.teacher import Teacher
 from reasoner.models import lora as lora_lib
 from reasoner.models import gemma, load
@@ -117,6 +117,7 @@ def build(cfg: Config, abstract: bool = False, devices: list | None = None,
   compile-only devices have no figure)."""
   if abstract:
     return _abstract(cfg, devices, teacher, hbm)
+  session.compile_cache(cfg.train.compile_cache, log.warning)  # before anything compiles
   c = check(cfg, devices, check_records, teacher)
   tokenizer, spec, model = load.load_model(cfg.model, c.mesh, cfg.train.seed)
   d = cfg.data

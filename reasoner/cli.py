@@ -124,10 +124,6 @@ def _run(args, cfg, argv: list[str]) -> None:
   """The command, once the config is valid: each imports what it runs here, so that jax and
   the model code load only after that (a bad config is one line in a second)."""
   libtpu.start_backends()  # without libtpu's start-up lines on a host with no TPU
-  if args.command != "plan":  # the planner compiles for chips it does not have: never kept
-    from reasoner.engine import session
-
-    session.compile_cache(cfg.train.compile_cache)
   if args.command in ("train", "sft", "prefer", "distill"):
     from reasoner import loop
 

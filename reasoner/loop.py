@@ -97,7 +97,6 @@ class Run:
     if cfg.lora.init_from and not cfg.train.resume_from and not _has_checkpoints(self.path):
       manifest.check(cfg, find_checkpoints(cfg.lora.init_from, "lora.init_from").parent,
                      via="lora.init_from")
-    session.compile_cache(cfg.train.compile_cache)
     with self.clock.timed("load"):
       self.setup = build(cfg, check_records=kind.check_records, teacher=kind.needs_teacher)
     config = cfg.to_dict()

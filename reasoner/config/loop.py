@@ -108,10 +108,11 @@ class TrainConfig:
   # upload with `wandb sync`). A wandb that is missing or fails to start falls back to TensorBoard.
   loggers: tuple[str, ...] = ("tensorboard",)
   # Where compiled programs are kept between processes (JAX's persistent compilation cache,
-  # `engine.session.compile_cache`): a resumed session, the next stage or the same command
-  # again reads them instead of compiling (make general's second run: the compiles of its
-  # first steps and evaluation). null: compile afresh each process (to read --xla_dump_to,
-  # which a program read from the cache does not write).
+  # `engine.session.compile_cache`, set by `build` for every command but `plan`): a resumed
+  # session, the next stage or the same command again reads them instead of compiling (make
+  # general's second run: the compiles of its first steps and evaluation). null: compile
+  # afresh each process (to read --xla_dump_to, which a program read from the cache does not
+  # write).
   compile_cache: str | None = "~/.cache/reasoner/jax"
 
   def __post_init__(self):
