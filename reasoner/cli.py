@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     if name == "sample":
       c.add_argument("--question", required=True)
       c.add_argument("-n", type=int, default=1, help="completions (1: greedy)")
+      c.add_argument("--category", help="its prompt's category (default math: a number)")
     if name == "data":
       c.add_argument("--stage", choices=("grpo", "sft", "prefer", "distill"), default="grpo",
                      help="whose response budget: grpo and distill rollout.max_new_tokens, sft "
@@ -156,7 +157,7 @@ def _run(args, cfg, argv: list[str]) -> None:
   else:
     from reasoner import evaluation
 
-    for i, text in enumerate(evaluation.sample(cfg, args.question, args.n)):
+    for i, text in enumerate(evaluation.sample(cfg, args.question, args.n, args.category)):
       print(f"[{i}] {text}")
 
 

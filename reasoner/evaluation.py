@@ -262,12 +262,13 @@ def eval_only(cfg: Config) -> dict:
                       f"checkpoint {step}" if step else "no checkpoint: base model")
 
 
-def sample(cfg: Config, question: str, n: int) -> list[str]:
-  """`python -m reasoner sample`: n completions (1: greedy) of the run's newest LoRA."""
+def sample(cfg: Config, question: str, n: int, category: str | None = None) -> list[str]:
+  """`python -m reasoner sample`: n completions (1: greedy) of the run's newest LoRA, the
+  question asked as a record of `category` asks (None: math's prompt)."""
   setup = build(cfg)
   lora, _ = restore_lora(setup)
   sampler = Sampler.for_run(setup)
-  prompt = prompts_lib.render(cfg.data.template, question)
+  prompt = prompts_lib.render(cfg.data.template, question, category)
   scfg = SamplingConfig.for_run(cfg, setup.tokenizer, greedy=n == 1)
   comps, _, _ = sampler.sample((lora, setup.base), [prompt], jax.random.PRNGKey(cfg.train.seed),
                                scfg, max(n, 1) if n > 1 else 1)

@@ -321,3 +321,29 @@ def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
   assert adv[0] > 0 and (adv[1:G] < 0).all() and not adv[G:].any()
   np.testing.assert_array_equal(np.asarray(batch.completion)[0, :n], ids)
 
+
+
+
+def test_sample_asks_a_question_as_its_category_asks(tmp_path, monkeypatch):
+  """`reasoner sample --category`: the question in its category's prompt (an answer asked for,
+  not a number), sampled greedily; without one, math's. The tiny model answers alike whatever
+  comes before the question, so the sampler's own calls are watched."""
+  from reasoner import evaluation
+  from reasoner.data import prompts
+
+  asked, real = [], Sampler.sample
+
+  def watched(self, params, texts, *args, **kw):
+    out = real(self, params, texts, *args, **kw)
+    asked.append((list(texts), out[0].texts))
+    return out
+
+  monkeypatch.setattr(Sampler, "sample", watched)
+  cfg = tiny_config(f"train.run_dir={tmp_path}")
+  q = "Name two colours."
+  got = evaluation.sample(cfg, q, 1, "instructions")
+  assert asked == [([prompts.render(cfg.data.template, q, "instructions")], got)]
+  assert prompts.GENERAL_INSTRUCTION in asked[0][0][0]
+  evaluation.sample(cfg, q, 1)
+  assert asked[1][0] == [prompts.render(cfg.data.template, q)]
+  assert prompts.INSTRUCTION in asked[1][0][0]
