@@ -322,8 +322,6 @@ def test_guidance_puts_the_written_response_in_place_of_the_worst_sample(setup):
   np.testing.assert_array_equal(np.asarray(batch.completion)[0, :n], ids)
 
 
-
-
 def test_sample_asks_a_question_as_its_category_asks(tmp_path, monkeypatch):
   """`reasoner sample --category`: the question in its category's prompt (an answer asked for,
   not a number), sampled greedily; without one, math's. The tiny model answers alike whatever
