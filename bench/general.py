@@ -1,9 +1,9 @@
 """Learning beyond arithmetic: `make general`'s run (configs/embedded_general.yaml: arithmetic,
 generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
-arithmetic-only run of the same steps and SFT -> GRPO on the same mixture.
+arithmetic-only run of the same steps and SFT -> GRPO (an SFT that fits the instructions).
 
     make bench BENCH=general        (python -m bench general; 1.5 to 4 hours on 2 cores: the
-                                     general run 30 to 60 min, SFT -> GRPO 42 to 88, arithmetic
+                                     general run 30 to 60 min, SFT -> GRPO about 55, arithmetic
                                      alone 23 to 80; `long` 80 min)
 
 Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
@@ -19,23 +19,23 @@ also gives, on the instruction sets, the fraction of a prompt's constraints its 
 (`followed`: the `instructions` reward, paired by prompt) and the pass counts by kind
 (`by_kind`): what moves where the prompt-level figure, which needs every constraint, does not.
 
-Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithmetic alone in
-the mixture: what the mixture costs the arithmetic); `sft_grpo` (SFT on the mixture's arithmetic
-and instructions' written responses, then the preset's GRPO from its LoRA); and, asked for by
-name only, `seed1` (the preset with another train.seed: its LoRA's start, data order and
-samples; what training's own noise, which no paired standard error holds, does to a figure),
-`arithmetic_seed1` (arithmetic alone from that seed: is the mixture's distance from arithmetic
-alone more than that noise?) and `explore`, `explore_seed1` (instructions weighted 3 : 1 : 1,
-samples at temperature 1.0, learning rate 3e-5: more instruction prompts and more varied
-groups, from two seeds), and
-`long` (explore for 64 steps, evaluated at step 32 too, `at_32` in its figures: does learning
-the instructions need more steps than the preset's 25 minutes hold?), and `guided` (the preset
-with `grpo.guidance` on the instructions: a group none of whose samples follows everything
-trains on the generator's response in place of its worst sample), and `prefer_grpo` (DPO on
-the generator's pairs, a response against one that breaks one constraint, then the preset's
-GRPO from its LoRA).
-A two-stage run's GRPO stage evaluates before it trains too: those rows are its first stage
-alone's (`sft_alone`, `prefer_alone` in its figures), so one run gives SFT alone, SFT -> GRPO
+Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithmetic alone in the
+mixture: what the mixture costs the arithmetic); `sft_grpo` (the base model's own right answers
+to 512 arithmetic problems, tools/own_answers.py; SFT on them beside the instructions' written
+responses, 64 steps of 8 at 5e-4 with LoRA on attention alone, which fits the instructions; then
+the preset's GRPO from its LoRA); and, asked for by name only, `seed1` (the preset with another
+train.seed: its LoRA's start, data order and samples; what training's own noise, which no paired
+standard error holds, does to a figure), `arithmetic_seed1` (arithmetic alone from that seed: is
+the mixture's distance from arithmetic alone more than that noise?) and `explore`,
+`explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0, learning rate
+3e-5: more instruction prompts and more varied groups, from two seeds), and `long` (explore for
+64 steps, evaluated at step 32 too, `at_32` in its figures: does learning the instructions need
+more steps than the preset's 25 minutes hold?), and `guided` (the preset with `grpo.guidance` on
+the instructions: a group none of whose samples follows everything trains on the generator's
+response in place of its worst sample), and `prefer_grpo` (DPO on the generator's pairs, a
+response against one that breaks one constraint, then the preset's GRPO from its LoRA).
+A run's GRPO stage after another evaluates before it trains too: those rows are the stage
+before's alone (`sft_alone`, `prefer_alone` in its figures), so one run gives SFT alone, SFT -> GRPO
 and, beside them, GRPO alone (the general run). `GENERAL_RUNS=general` runs a subset;
 `GENERAL_DIR` keeps the runs (default: a temporary folder); `GENERAL_ARGS="train.steps=2 ..."`
 adds overrides to every stage (a quick look, not a figure).
@@ -68,15 +68,23 @@ CONFIG = "configs/embedded_general.yaml"
 SETS = ("combination", "task", "arithmetic", "retention")
 AFTER_ONLY = ["train.eval_before=false", "train.checkpoint_every=1000"]  # evaluated once, after
 ARITHMETIC = "[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}]"
-SFT = ["sft.max_response_tokens=96", "optim.learning_rate=1e-4", "optim.warmup_steps=2",
-       "train.steps=32", "train.batch_size=8", "train.eval_before=false", "eval.sets=[]",
-       "data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 2}, "
-       "{name: instructions, source: instructions, weight: 1, num_eval: 2}]"]
+# SFT that fits the instructions (docs/general.md): the generator's instruction responses beside
+# the base model's own right answers to 512 arithmetic problems (tools/own_answers.py, `{prev}`),
+# 1 : 1, 64 steps of 8 at 5e-4, LoRA on the attention projections alone (the MLPs' broke sums)
+OWN = ["--category", "math", "--num", "512", "--max-new-tokens", "48"]
+ATTENTION = "lora.module_path=.*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum)"
+SFT = ["sft.max_response_tokens=96", "sft.bucket=32", "optim.learning_rate=5e-4",
+       "optim.warmup_steps=2", "train.steps=64", "train.batch_size=8", "train.eval_before=false",
+       "train.checkpoint_every=1000", "eval.sets=[]", ATTENTION,
+       "data.mixture=[{name: instructions, source: instructions, weight: 1, num_eval: 2}, "
+       "{name: arithmetic, source: jsonl, path: '{prev}', weight: 1, num_eval: 2}]"]
 # DPO on the generator's pairs (each instruction record's response against one that breaks
 # exactly one of its constraints; arithmetic's worked solution against the wrong operation)
 PREFER = ["prefer.loss=dpo", "prefer.beta=0.1", "prefer.pairs=file",
-          "prefer.max_response_tokens=96", "optim.learning_rate=5e-5",
-          *[o for o in SFT if not o.startswith(("sft.", "optim.learning_rate"))]]
+          "prefer.max_response_tokens=96", "optim.learning_rate=5e-5", "optim.warmup_steps=2",
+          "train.steps=32", "train.batch_size=8", "train.eval_before=false", "eval.sets=[]",
+          "data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 2}, "
+          "{name: instructions, source: instructions, weight: 1, num_eval: 2}]"]
 EXPLORE = ["data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}, "
            "{name: instructions, source: instructions, weight: 3, num_eval: 8}, "
            "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]",
@@ -86,8 +94,9 @@ RUNS = {"general": [("train", [])],
         "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
         "arithmetic_seed1": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}",
                                         "train.seed=1"])],
-        "sft_grpo": [("sft", SFT), ("train", ["train.checkpoint_every=1000",
-                                              "lora.init_from={prev}"])],
+        "sft_grpo": [("own_answers", OWN), ("sft", SFT),
+                     ("train", ["train.checkpoint_every=1000", "lora.init_from={prev}",
+                                ATTENTION])],
         "prefer_grpo": [("prefer", PREFER), ("train", ["train.checkpoint_every=1000",
                                                        "lora.init_from={prev}"])],
         "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
@@ -100,14 +109,21 @@ DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s 
 
 
 def run(root: pathlib.Path, name: str) -> float:
-  """Each stage of run `name` as its own `python -m reasoner` process; the wall seconds."""
+  """Each stage of run `name` as its own process (`python -m reasoner`, or tools/own_answers.py,
+  whose file is the next stage's `{prev}`); the wall seconds."""
   t, prev = time.perf_counter(), None
+  extra = shlex.split(os.environ.get("GENERAL_ARGS", ""))
   for i, (command, overrides) in enumerate(RUNS[name]):
     folder = name if i == len(RUNS[name]) - 1 else f"{name}_{command}"
-    subprocess.run([sys.executable, "-m", "reasoner", command, "--config", CONFIG,
-                    f"train.run_dir={root}", f"train.run_name={folder}",
-                    *(o.replace("{prev}", str(prev)) for o in overrides),
-                    *shlex.split(os.environ.get("GENERAL_ARGS", ""))], check=True)
+    where = [f"train.run_dir={root}", f"train.run_name={folder}"]
+    if command == "own_answers":  # the base's own right answers (no checkpoint in `folder`)
+      prev = root / f"{folder}.jsonl"
+      prev.unlink(missing_ok=True)  # a rerun in GENERAL_DIR answers again
+      subprocess.run([sys.executable, "tools/own_answers.py", "--config", CONFIG, *overrides,
+                      "--out", str(prev), *where, *extra], check=True)
+      continue
+    subprocess.run([sys.executable, "-m", "reasoner", command, "--config", CONFIG, *where,
+                    *(o.replace("{prev}", str(prev)) for o in overrides), *extra], check=True)
     prev = root / folder
   return time.perf_counter() - t
 
@@ -148,9 +164,9 @@ def main() -> None:
       figures["runs"][name]["at_32"] = {
           **{s: paired_change(base[s], mid[s]) for s in SETS},
           "followed": instruction_figures(root / name, "step-32")["followed"]}
-    if len(RUNS[name]) > 1:  # its GRPO stage's evaluation before: the first stage alone's
+    if len(RUNS[name]) > 1:  # its GRPO stage's evaluation before: the stage before's alone
       first = rows(root / name, "before")
-      figures["runs"][name][f"{RUNS[name][0][0]}_alone"] = {
+      figures["runs"][name][f"{RUNS[name][-2][0]}_alone"] = {
           **{s: paired_change(base[s], first[s]) for s in SETS},
           **instruction_figures(root / name, "before")}
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
