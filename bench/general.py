@@ -6,9 +6,10 @@ arithmetic-only run of the same steps and SFT -> GRPO (an SFT that fits the inst
                                      general run 30 to 60 min, SFT -> GRPO about 55, arithmetic
                                      alone 23 to 80; `long` 80 min)
 
-Each run is a `python -m reasoner` process. The first is `make general` itself, its evaluations
-included, so its wall time is `make general`'s and its "before" rows (samples.jsonl) are the
-base model's on every set. The other runs train, then evaluate once after, on the same sets:
+Each stage of a run is its own process (`python -m reasoner`, or tools/own_answers.py). The
+first run is `make general` itself, its evaluations included, so its wall time is `make
+general`'s and its "before" rows (samples.jsonl) are the base model's on every set. The other
+runs train, then evaluate once after, on the same sets:
 - `combination` (128): instructions in constraint combinations never trained on, on training's
   tasks; `task` (128): tasks never trained on, under training's combinations. Accuracy here is
   IFEval's prompt-level strict: a prompt counts when its answer follows every constraint;
@@ -119,9 +120,9 @@ def run(root: pathlib.Path, name: str) -> float:
     where = [f"train.run_dir={root}", f"train.run_name={folder}"]
     if command == "own_answers":  # the base's own right answers (no checkpoint in `folder`)
       prev = root / f"{folder}.jsonl"
-      prev.unlink(missing_ok=True)  # a rerun in GENERAL_DIR answers again
-      subprocess.run([sys.executable, "tools/own_answers.py", "--config", CONFIG, *overrides,
-                      "--out", str(prev), *where, *extra], check=True)
+      if not prev.exists():  # written whole (a rename), greedy: a rerun in GENERAL_DIR reads it
+        subprocess.run([sys.executable, "tools/own_answers.py", "--config", CONFIG, *overrides,
+                        "--out", str(prev), *where, *extra], check=True)
       continue
     subprocess.run([sys.executable, "-m", "reasoner", command, "--config", CONFIG, *where,
                     *(o.replace("{prev}", str(prev)) for o in overrides), *extra], check=True)
