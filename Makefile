@@ -12,7 +12,7 @@ DEVICES ?= 8
 # its shared builds are built once): `make test TEST_WORKERS=0` runs them in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup train sft prefer distill general eval sample test check docs multihost bench notebook rehearse soak clean
+.PHONY: setup train sft prefer distill general general_grpo eval sample test check docs multihost bench notebook rehearse soak clean
 
 setup: $(STAMP)
 
@@ -44,11 +44,20 @@ prefer: $(STAMP)
 	  train.run_name=medium_prefer_grpo train.eval_before=false rollout.temperature=1.0 \
 	  grpo.dynamic_sampling=true grpo.max_sample_batches=2 optim.learning_rate=3e-5 $(ARGS)
 
-# A mixture of arithmetic, generated instructions that code checks and general prompts
-# (data/general.jsonl), rewards by category, an adaptive curriculum; held out: instructions in
-# new constraint combinations and new tasks (IFEval's numbers), arithmetic in new wordings and
-# the retention set, each before and after.
-general: $(STAMP)
+# Instructions that code checks, learnt: the base model's own right answers to 512 arithmetic
+# problems (written once), then SFT on the generated instructions beside them
+# (configs/embedded_general_sft.yaml); held out: instructions in new constraint combinations and
+# new tasks (IFEval's numbers), arithmetic in new wordings and the retention set, each before
+# and after. `make general_grpo`: the GRPO mixture alone (configs/embedded_general.yaml).
+OWN_ANSWERS := runs/embedded_general_own.jsonl
+general: $(STAMP) $(OWN_ANSWERS)
+	$(PY) -m reasoner sft --config configs/embedded_general_sft.yaml $(ARGS)
+
+$(OWN_ANSWERS): | $(STAMP)
+	$(PY) tools/own_answers.py --config configs/embedded_general.yaml --category math \
+	  --num 512 --max-new-tokens 48 --out $@ train.run_name=embedded_general_own
+
+general_grpo: $(STAMP)
 	$(PY) -m reasoner train --config configs/embedded_general.yaml $(ARGS)
 
 # On-policy distillation: a fresh LoRA on the plain prompt learns from `make sft`'s result.

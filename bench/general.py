@@ -1,15 +1,17 @@
-"""Learning beyond arithmetic: `make general`'s run (configs/embedded_general.yaml: arithmetic,
-generated instructions checked by code and data/general.jsonl, drawn 2 : 2 : 1) beside an
-arithmetic-only run of the same steps and SFT -> GRPO (an SFT that fits the instructions).
+"""Learning beyond arithmetic: `make general`'s run (the base model's own right answers to 512
+arithmetic problems, then SFT on the generated instructions beside them,
+configs/embedded_general_sft.yaml) beside SFT on the own answers alone, GRPO alone (the mixture
+of configs/embedded_general.yaml: arithmetic, instructions and data/general.jsonl) and GRPO after
+`make general`'s SFT.
 
-    make bench BENCH=general        (python -m bench general; 1.5 to 4 hours on 2 cores: the
-                                     general run 30 to 60 min, SFT -> GRPO about 55, arithmetic
-                                     alone 23 to 80; `long` 80 min)
+    make bench BENCH=general        (python -m bench general; about 1.5 hours on 2 cores: the
+                                     general run 25 min, arithmetic alone 20, GRPO alone 25 to
+                                     30, SFT -> GRPO 20)
 
 Each stage of a run is its own process (`python -m reasoner`, or tools/own_answers.py). The
 first run is `make general` itself, its evaluations included, so its wall time is `make
 general`'s and its "before" rows (samples.jsonl) are the base model's on every set. The other
-runs train, then evaluate once after, on the same sets:
+runs evaluate once after (GRPO alone before too), on the same sets:
 - `combination` (128): instructions in constraint combinations never trained on, on training's
   tasks; `task` (128): tasks never trained on, under training's combinations. Accuracy here is
   IFEval's prompt-level strict: a prompt counts when its answer follows every constraint;
@@ -20,31 +22,25 @@ also gives, on the instruction sets, the fraction of a prompt's constraints its 
 (`followed`: the `instructions` reward, paired by prompt) and the pass counts by kind
 (`by_kind`): what moves where the prompt-level figure, which needs every constraint, does not.
 
-Runs (`RUNS`): `general` (the preset); `arithmetic` (the preset with the arithmetic alone in the
-mixture: what the mixture costs the arithmetic); `sft_grpo` (the base model's own right answers
-to 512 arithmetic problems, tools/own_answers.py; SFT on them beside the instructions' written
-responses, 64 steps of 8 at 5e-4 with LoRA on attention alone, which fits the instructions; then
-the preset's GRPO from its LoRA); and, asked for by name only, `seed1` (the preset with another
-train.seed: its LoRA's start, data order and samples; what training's own noise, which no paired
-standard error holds, does to a figure), `arithmetic_seed1` (arithmetic alone from that seed: is
-the mixture's distance from arithmetic alone more than that noise?) and `explore`,
-`explore_seed1` (instructions weighted 3 : 1 : 1, samples at temperature 1.0, learning rate
-3e-5: more instruction prompts and more varied groups, from two seeds), and `long` (explore for
-64 steps, evaluated at step 32 too, `at_32` in its figures: does learning the instructions need
-more steps than the preset's 25 minutes hold?), and `guided` (the preset with `grpo.guidance` on
-the instructions: a group none of whose samples follows everything trains on the generator's
-response in place of its worst sample), and `prefer_grpo` (DPO on the generator's pairs, a
-response against one that breaks one constraint, then the preset's GRPO from its LoRA).
-A run's GRPO stage after another evaluates before it trains too: those rows are the stage
-before's alone (`sft_alone`, `prefer_alone` in its figures), so one run gives SFT alone, SFT -> GRPO
-and, beside them, GRPO alone (the general run). `GENERAL_RUNS=general` runs a subset;
+Runs (`RUNS`): `general` (`make general`); `arithmetic` (its SFT on the own answers alone: what
+the instructions cost the arithmetic); `grpo` (GRPO alone, configs/embedded_general.yaml, 16
+steps); `sft_grpo` (that GRPO from the general run's LoRA). Asked for by name only: `seed1`,
+`arithmetic_seed1` (the SFTs from another train.seed: training's own noise, which no paired
+standard error holds); and GRPO variants, each beside `grpo`: `grpo_arithmetic` (the arithmetic
+alone in the mixture), `grpo_seed1`, `explore`, `explore_seed1` (instructions weighted 3 : 1 :
+1, samples at temperature 1.0, learning rate 3e-5, from two seeds), `long` (explore for 64
+steps, evaluated at step 32 too, `at_32`), `guided` (`grpo.guidance` on the instructions: a
+group none of whose samples follows everything trains on the generator's response in place of
+its worst sample) and `prefer_grpo` (DPO on the generator's pairs, then GRPO from its LoRA; its
+GRPO stage evaluates before it trains: `prefer_alone`). `GENERAL_RUNS=general` runs a subset;
 `GENERAL_DIR` keeps the runs (default: a temporary folder); `GENERAL_ARGS="train.steps=2 ..."`
 adds overrides to every stage (a quick look, not a figure).
 
 Goals (issue 54): the general run's prompt-level strict accuracy on new combinations up by at
 least 0.10 and 2 standard errors; its arithmetic within 2 standard errors of the arithmetic-only
 run (paired); its retention change within 1 standard error of zero, or positive; `make general`
-at most 25 minutes on 2 cores. SFT -> GRPO against GRPO alone is reported, not a goal.
+at most 25 minutes on 2 cores (its `.venv` made). SFT -> GRPO against GRPO alone is reported
+(`sft_grpo_vs_grpo`), not a goal.
 
 The floor (`floor`): the FLOPs that the general run's matmuls must run, counted from the tokens
 it actually read and wrote, over this machine's own float32 matmul rate (measured in the same
@@ -63,23 +59,19 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 from bench import common
 
-CONFIG = "configs/embedded_general.yaml"
+CONFIG = "configs/embedded_general.yaml"  # the GRPO mixture; the evaluation sets of every run
+SFT_CONFIG = "configs/embedded_general_sft.yaml"  # `make general`'s SFT: every `sft` stage's
 SETS = ("combination", "task", "arithmetic", "retention")
 AFTER_ONLY = ["train.eval_before=false", "train.checkpoint_every=1000"]  # evaluated once, after
 ARITHMETIC = "[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}]"
-# SFT that fits the instructions (docs/general.md): the generator's instruction responses beside
-# the base model's own right answers to 512 arithmetic problems (tools/own_answers.py, `{prev}`),
-# 1 : 1, 64 steps of 8 at 5e-4, LoRA on attention alone (at 3e-4 on every projection the
-# retention set's sums broke)
+# the base model's own right answers to 512 arithmetic problems (tools/own_answers.py, as `make
+# general` runs it): greedy, so every run's are the same file, `{own}`
 OWN = ["--category", "math", "--num", "512", "--max-new-tokens", "48"]
 ATTENTION = "lora.module_path=.*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum)"
-SFT = ["sft.max_response_tokens=96", "sft.bucket=32", "optim.learning_rate=5e-4",
-       "optim.warmup_steps=2", "train.steps=64", "train.batch_size=8", "train.eval_before=false",
-       "train.checkpoint_every=1000", "eval.sets=[]", ATTENTION,
-       "data.mixture=[{name: instructions, source: instructions, weight: 1, num_eval: 2}, "
-       "{name: arithmetic, source: jsonl, path: '{prev}', weight: 1, num_eval: 2}]"]
 # DPO on the generator's pairs (each instruction record's response against one that breaks
 # exactly one of its constraints; arithmetic's worked solution against the wrong operation)
 PREFER = ["prefer.loss=dpo", "prefer.beta=0.1", "prefer.pairs=file",
@@ -91,41 +83,61 @@ EXPLORE = ["data.mixture=[{name: arithmetic, source: arithmetic, weight: 1, num_
            "{name: instructions, source: instructions, weight: 3, num_eval: 8}, "
            "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]",
            "rollout.temperature=1.0", "optim.learning_rate=3e-5"]
-# each run's stages: (command, overrides); `{prev}` is the stage before's folder
-RUNS = {"general": [("train", [])],
-        "arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
-        "arithmetic_seed1": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}",
-                                        "train.seed=1"])],
-        "sft_grpo": [("own_answers", OWN), ("sft", SFT),
-                     ("train", ["train.checkpoint_every=1000", "lora.init_from={prev}",
-                                ATTENTION])],
+OWN_ALONE = ("data.mixture=[{name: arithmetic, source: jsonl, path: '{own}', weight: 1, "
+             "num_eval: 2}]")
+# each run's stages: (command, overrides); `{prev}` is the stage before's folder, `{own}` the
+# own answers, `{general}` the general run's folder
+RUNS = {"general": [("own_answers", OWN), ("sft", [])],
+        "arithmetic": [("own_answers", OWN), ("sft", [*AFTER_ONLY, OWN_ALONE])],
+        "arithmetic_seed1": [("own_answers", OWN), ("sft", [*AFTER_ONLY, OWN_ALONE,
+                                                            "train.seed=1"])],
+        "seed1": [("own_answers", OWN), ("sft", [*AFTER_ONLY, "train.seed=1"])],
+        "grpo": [("train", [])],
+        "sft_grpo": [("train", [*AFTER_ONLY, "lora.init_from={general}", ATTENTION])],
+        "grpo_arithmetic": [("train", [*AFTER_ONLY, f"data.mixture={ARITHMETIC}"])],
         "prefer_grpo": [("prefer", PREFER), ("train", ["train.checkpoint_every=1000",
                                                        "lora.init_from={prev}"])],
-        "seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
+        "grpo_seed1": [("train", [*AFTER_ONLY, "train.seed=1"])],
         "explore": [("train", [*AFTER_ONLY, *EXPLORE])],
         "explore_seed1": [("train", [*AFTER_ONLY, *EXPLORE, "train.seed=1"])],
         "long": [("train", [*AFTER_ONLY, *EXPLORE, "train.steps=64", "train.eval_every=32"])],
         "guided": [("train", [*AFTER_ONLY, "grpo.guidance=true",
                               "grpo.guidance_categories=[instructions]"])]}
-DEFAULT = ("general", "arithmetic", "sft_grpo")  # `make bench BENCH=general`'s runs
+DEFAULT = ("general", "arithmetic", "grpo", "sft_grpo")  # `make bench BENCH=general`'s runs
+GRPO_RUNS = ("grpo_seed1", "prefer_grpo", "explore", "explore_seed1", "long", "guided")
+
+
+def own_mixture(path: str) -> str:
+  """`make general`'s mixture (the SFT preset's) with its own answers read from `path`."""
+  mixture = yaml.safe_load(pathlib.Path(SFT_CONFIG).read_text())["data"]["mixture"]
+  for source in mixture:
+    if source.get("path", "").endswith("_own.jsonl"):
+      source["path"] = path
+  return "data.mixture=" + yaml.safe_dump(mixture, default_flow_style=True, width=10**6).strip()
 
 
 def run(root: pathlib.Path, name: str) -> float:
-  """Each stage of run `name` as its own process (`python -m reasoner`, or tools/own_answers.py,
-  whose file is the next stage's `{prev}`); the wall seconds."""
-  t, prev = time.perf_counter(), None
+  """Each stage of run `name` as its own process (`python -m reasoner`, `sft` stages on
+  `SFT_CONFIG` and the others on `CONFIG`, or tools/own_answers.py, whose file is `{own}`,
+  written once for every run: a rerun in GENERAL_DIR reads it); the wall seconds."""
+  t, prev, own = time.perf_counter(), None, root / "own_answers.jsonl"
   extra = shlex.split(os.environ.get("GENERAL_ARGS", ""))
+  fill = {"{own}": str(own), "{general}": str(root / "general")}
   for i, (command, overrides) in enumerate(RUNS[name]):
     folder = name if i == len(RUNS[name]) - 1 else f"{name}_{command}"
     where = [f"train.run_dir={root}", f"train.run_name={folder}"]
     if command == "own_answers":  # the base's own right answers (no checkpoint in `folder`)
-      prev = root / f"{folder}.jsonl"
-      if not prev.exists():  # written whole (a rename), greedy: a rerun in GENERAL_DIR reads it
+      if not own.exists():  # written whole (a rename), greedy: the same for every run
         subprocess.run([sys.executable, "tools/own_answers.py", "--config", CONFIG, *overrides,
-                        "--out", str(prev), *where, *extra], check=True)
+                        "--out", str(own), *where, *extra], check=True)
       continue
-    subprocess.run([sys.executable, "-m", "reasoner", command, "--config", CONFIG, *where,
-                    *(o.replace("{prev}", str(prev)) for o in overrides), *extra], check=True)
+    if command == "sft" and not any(o.startswith("data.mixture=") for o in overrides):
+      overrides = [*overrides, own_mixture("{own}")]
+    for key, value in {**fill, "{prev}": str(prev)}.items():
+      overrides = [o.replace(key, value) for o in overrides]
+    subprocess.run([sys.executable, "-m", "reasoner", command, "--config",
+                    SFT_CONFIG if command == "sft" else CONFIG, *where, *overrides, *extra],
+                   check=True)
     prev = root / folder
   return time.perf_counter() - t
 
@@ -166,7 +178,8 @@ def main() -> None:
       figures["runs"][name]["at_32"] = {
           **{s: paired_change(base[s], mid[s]) for s in SETS},
           "followed": instruction_figures(root / name, "step-32")["followed"]}
-    if len(RUNS[name]) > 1:  # its GRPO stage's evaluation before: the stage before's alone
+    if len(RUNS[name]) > 1 and RUNS[name][-2][0] != "own_answers":
+      # its GRPO stage's evaluation before: the stage before's alone
       first = rows(root / name, "before")
       figures["runs"][name][f"{RUNS[name][-2][0]}_alone"] = {
           **{s: paired_change(base[s], first[s]) for s in SETS},
@@ -184,16 +197,17 @@ def main() -> None:
         rows(root / "general", "after")["arithmetic"])
   if "arithmetic" in figures["runs"] and "arithmetic_seed1" in figures["runs"]:
     seeds(figures, root)
-  # against the general run, on every set, paired by question: the same run from another seed
-  # (training's noise and the evaluation's), SFT -> GRPO against GRPO alone, the explore recipe
-  # and guidance against the preset
-  others = [n for n in ("seed1", "sft_grpo", "prefer_grpo", "explore", "explore_seed1", "long",
-                        "guided") if n in figures["runs"]]
-  if "general" in figures["runs"] and others:
-    general = rows(root / "general", "after")
-    for name in others:
-      after = rows(root / name, "after")
-      figures[f"{name}_vs_general"] = {s: paired_change(general[s], after[s]) for s in SETS}
+  # paired by question on every set: against `make general`'s SFT, the same from another seed
+  # (training's noise and the evaluation's), SFT -> GRPO and GRPO alone; against GRPO alone,
+  # SFT -> GRPO and the GRPO variants
+  against = {"general": ("seed1", "sft_grpo", "grpo"),
+             "grpo": ("sft_grpo", "grpo_arithmetic", *GRPO_RUNS)}
+  for ref, others in against.items():
+    if ref in figures["runs"]:
+      ref_rows = rows(root / ref, "after")
+      for name in (n for n in others if n in figures["runs"]):
+        after = rows(root / name, "after")
+        figures[f"{name}_vs_{ref}"] = {s: paired_change(ref_rows[s], after[s]) for s in SETS}
   _write(figures, root)
 
 
@@ -270,7 +284,9 @@ def floor(folder: pathlib.Path, seconds: float) -> dict:
   (one `rollout` row a prompt) and `rollout_tokens` (every row's completion): one forward F =
   the prompts once and the completions; the step must run 4 F (the rollout, the reference's
   log-probs, and the train step's forward and backward: the activations' gradients cost a
-  forward's matmuls again, the frozen weights get none). The rate: the best of this machine's
+  forward's matmuls again, the frozen weights get none). Each SFT step, from its metrics: its
+  real tokens through the layers and its targets through the head, twice (forward, backward).
+  The own answers (a stage before the run's process) are not counted: a floor may leave out. The rate: the best of this machine's
   float32 matmuls at the run's shapes (a layer's MLP on 512 tokens, the head on 64 rows)."""
   import jax
   import jax.numpy as jnp
@@ -297,10 +313,15 @@ def floor(folder: pathlib.Path, seconds: float) -> dict:
     shared = common_prefix(rows)
     read += shared + sum(len(i) - shared for i in rows)
   flops = {"evaluations": layers * (read + written) + head * written}
-  steps = [m for m in read_jsonl(folder / "metrics.jsonl") if "rollout_tokens" in m]
+  metrics = list(read_jsonl(folder / "metrics.jsonl"))
+  steps = [m for m in metrics if "rollout_tokens" in m]
   read = sum(len(ids(r)) for r in samples if r["tag"] == "rollout")
   wrote = sum(m["rollout_tokens"] for m in steps)
   flops["grpo_steps"] = 4 * (layers * (read + wrote) + head * wrote)
+  sft = [m for m in metrics if "response_tokens" in m and "rollout_tokens" not in m]
+  real = sum(round(m["tokens_per_s"] * m["step_time_s"]) for m in sft)  # prompts and targets
+  flops["sft_steps"] = 2 * (layers * real + head * sum(m["response_tokens"] for m in sft))
+  steps += sft
 
   def rate(m: int, k: int, n_: int) -> float:
     a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n_), jnp.float32)
@@ -354,5 +375,5 @@ def _write(figures: dict, root: pathlib.Path) -> None:
     goals.append(common.goal("arithmetic: |mixture - arithmetic only, the mean of seeds 0 and "
                              "1| in standard errors", abs(_in_se(m)), 2.0))
   path = common.write("general", figures, {"base": figures.get("base")}, goals, runs=str(root),
-                      config=CONFIG, commands="make general (the general run)")
+                      config=SFT_CONFIG, commands="make general (the general run)")
   print(f"wrote {path}", flush=True)

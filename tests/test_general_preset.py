@@ -1,0 +1,58 @@
+"""`make general`'s SFT (configs/embedded_general_sft.yaml) on the file the Makefile writes
+(tools/own_answers.py's): every training record has a response, the instructions, the own
+answers and data/general.jsonl all train, and nothing of the four evaluation sets, held out by the GRPO preset, is
+trained on. No model loads: the own answers here are written by the test."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from conftest import ROOT
+from reasoner.config import load_config
+from reasoner.data import sources
+from reasoner.objectives import sft
+
+SFT_PRESET, GRPO_PRESET = ROOT / "configs/embedded_general_sft.yaml", (
+    ROOT / "configs/embedded_general.yaml")
+
+
+def _own_path() -> str:
+  """The own answers' path as the Makefile writes it."""
+  return re.search(r"^OWN_ANSWERS := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def test_the_sft_reads_the_file_the_makefile_writes():
+  cfg = load_config(SFT_PRESET)
+  assert [m.path for m in cfg.data.mixture if m.source == "jsonl"] == [
+      _own_path(), "data/general.jsonl"]
+  assert cfg.eval.sets == load_config(GRPO_PRESET).eval.sets  # the same four sets
+
+
+def test_it_trains_on_all_three_and_on_nothing_it_is_evaluated_on(tmp_path):
+  grpo = load_config(GRPO_PRESET)
+  train, _ = sources.load_splits(grpo.data, log=lambda _: None)
+  math = [r for r in train if r["category"] == "math"][:40]  # answered as the tool keeps them
+  own = tmp_path / "own.jsonl"
+  own.write_text("".join(json.dumps({
+      "question": r["question"], "answer": r["answer"], "category": "math",
+      "response": f"<reasoning>It is {r['answer']}.</reasoning>\n<answer>{r['answer']}</answer>"})
+      + "\n" for r in math))
+  cfg = load_config(SFT_PRESET, [
+      "data.mixture=[{name: instructions, source: instructions, weight: 2, num_eval: 2}, "
+      f"{{name: arithmetic, source: jsonl, path: '{own}', weight: 2, num_eval: 2}}, "
+      "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]"])
+  preset = load_config(SFT_PRESET).data.mixture
+  assert [dataclasses.replace(m, path="-") for m in cfg.data.mixture] == [
+      dataclasses.replace(m, path="-") for m in preset]  # the preset's, but for the path
+  assert cfg.data.mixture[2] == preset[2]
+  train, _ = sources.load_splits(cfg.data, log=lambda _: None)
+  sft.check(cfg, train, "the training split")  # every record has a response
+  assert {"instructions", "math", "creative"} <= {r["category"] for r in train}
+  mine = {r["question"] for r in math}
+  assert sum(r["question"] in mine for r in train) == len(math) - 2  # two held out
+  evaluated = {r["question"] for s in cfg.eval.sets
+               for r in sources.load_eval_set(s, cfg.data, log=lambda *_: None)}
+  assert len(evaluated) >= 700  # 128 + 128 + 256 + 256, a few alike across sets
+  assert not evaluated & {r["question"] for r in train}
