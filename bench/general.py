@@ -203,7 +203,7 @@ def main() -> None:
   against = {"general": ("seed1", "sft_grpo", "grpo"),
              "grpo": ("sft_grpo", "grpo_arithmetic", *GRPO_RUNS)}
   for ref, others in against.items():
-    if ref in figures["runs"]:
+    if (root / ref / "samples.jsonl").exists():  # run now or before in GENERAL_DIR
       ref_rows = rows(root / ref, "after")
       for name in (n for n in others if n in figures["runs"]):
         after = rows(root / name, "after")
