@@ -55,7 +55,7 @@ general: $(STAMP) $(OWN_ANSWERS)
 
 $(OWN_ANSWERS): | $(STAMP)
 	$(PY) tools/own_answers.py --config configs/embedded_general.yaml --category math \
-	  --num 512 --max-new-tokens 48 --out $@ train.run_name=embedded_general_own
+	  --num 512 --max-new-tokens 40 --out $@ train.run_name=embedded_general_own
 
 general_grpo: $(STAMP)
 	$(PY) -m reasoner train --config configs/embedded_general.yaml $(ARGS)

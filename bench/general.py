@@ -70,7 +70,7 @@ AFTER_ONLY = ["train.eval_before=false", "train.checkpoint_every=1000"]  # evalu
 ARITHMETIC = "[{name: arithmetic, source: arithmetic, weight: 1, num_eval: 8}]"
 # the base model's own right answers to 512 arithmetic problems (tools/own_answers.py, as `make
 # general` runs it): greedy, so every run's are the same file, `{own}`
-OWN = ["--category", "math", "--num", "512", "--max-new-tokens", "48"]
+OWN = ["--category", "math", "--num", "512", "--max-new-tokens", "40"]
 ATTENTION = "lora.module_path=.*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum)"
 # DPO on the generator's pairs (each instruction record's response against one that breaks
 # exactly one of its constraints; arithmetic's worked solution against the wrong operation)

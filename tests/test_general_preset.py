@@ -1,7 +1,8 @@
 """`make general`'s SFT (configs/embedded_general_sft.yaml) on the file the Makefile writes
-(tools/own_answers.py's): every training record has a response, the instructions, the own
-answers and data/general.jsonl all train, and nothing of the four evaluation sets, held out by the GRPO preset, is
-trained on. No model loads: the own answers here are written by the test."""
+(tools/own_answers.py's, with the arguments the bench writes it with): every training record
+has a response, the instructions and the own answers both train, and nothing of the four
+evaluation sets, held out by the GRPO preset, is trained on. No model loads: the own answers
+here are written by the test."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import json
 import re
 
+from bench import general as bench_general
 from conftest import ROOT
 from reasoner.config import load_config
 from reasoner.data import sources
@@ -25,9 +27,11 @@ def _own_path() -> str:
 
 def test_the_sft_reads_the_file_the_makefile_writes():
   cfg = load_config(SFT_PRESET)
-  assert [m.path for m in cfg.data.mixture if m.source == "jsonl"] == [
-      _own_path(), "data/general.jsonl"]
+  assert [m.path for m in cfg.data.mixture if m.source == "jsonl"] == [_own_path()]
   assert cfg.eval.sets == load_config(GRPO_PRESET).eval.sets  # the same four sets
+  # the bench writes its own answers as `make general` does
+  rule = (ROOT / "Makefile").read_text().split("$(OWN_ANSWERS): ")[1].split("\n\n")[0]
+  assert " ".join(bench_general.OWN) in " ".join(rule.replace("\\\n", " ").split())
 
 
 def test_it_trains_on_all_three_and_on_nothing_it_is_evaluated_on(tmp_path):
@@ -39,17 +43,14 @@ def test_it_trains_on_all_three_and_on_nothing_it_is_evaluated_on(tmp_path):
       "question": r["question"], "answer": r["answer"], "category": "math",
       "response": f"<reasoning>It is {r['answer']}.</reasoning>\n<answer>{r['answer']}</answer>"})
       + "\n" for r in math))
-  cfg = load_config(SFT_PRESET, [
-      "data.mixture=[{name: instructions, source: instructions, weight: 2, num_eval: 2}, "
-      f"{{name: arithmetic, source: jsonl, path: '{own}', weight: 2, num_eval: 2}}, "
-      "{name: general, source: jsonl, path: data/general.jsonl, weight: 1, num_eval: 4}]"])
+  cfg = load_config(SFT_PRESET, [bench_general.own_mixture(str(own))])
   preset = load_config(SFT_PRESET).data.mixture
   assert [dataclasses.replace(m, path="-") for m in cfg.data.mixture] == [
       dataclasses.replace(m, path="-") for m in preset]  # the preset's, but for the path
-  assert cfg.data.mixture[2] == preset[2]
+  assert cfg.data.mixture[1].path == str(own)
   train, _ = sources.load_splits(cfg.data, log=lambda _: None)
   sft.check(cfg, train, "the training split")  # every record has a response
-  assert {"instructions", "math", "creative"} <= {r["category"] for r in train}
+  assert {r["category"] for r in train} == {"instructions", "math"}
   mine = {r["question"] for r in math}
   assert sum(r["question"] in mine for r in train) == len(math) - 2  # two held out
   evaluated = {r["question"] for s in cfg.eval.sets

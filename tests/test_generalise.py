@@ -59,6 +59,11 @@ def test_bad_held_out_configs_name_their_key():
     tiny_config("data.source=jsonl", "data.path=data/general.jsonl", "data.held_out_by=template")
   with pytest.raises(ConfigError, match=r"eval.sets\[t\].held_out_by"):
     tiny_config("eval.sets=[{name: t, source: arithmetic, held_out_by: template}]")
+  # files alone train, and the generator's split still names what its evaluation set holds out
+  files = tiny_config("data.source=jsonl", "data.path=data/general.jsonl",
+                      "data.held_out_by=template",
+                      "eval.sets=[{name: t, source: arithmetic, held_out_by: template}]")
+  assert files.data.held_out_by == files.eval.sets[0].held_out_by == "template"
   with pytest.raises(ConfigError, match="eval.retention_se"):
     tiny_config("eval.retention_se=0")
   with pytest.raises(ConfigError, match=r"eval.sets\[t\].max_new_tokens"):

@@ -7,7 +7,7 @@ skill the model has in its own words, not a generator's worked solutions (docs/g
 that fits": it kept held-out arithmetic within noise, not the retention set).
 
     .venv/bin/python tools/own_answers.py --config configs/embedded_general.yaml \
-        --category math --num 512 --max-new-tokens 48 --out runs/own_math.jsonl \
+        --category math --num 512 --max-new-tokens 40 --out runs/own_math.jsonl \
         train.run_name=own_answers [dotted overrides: train.run_name names the run whose
         newest checkpoint answers; one without checkpoints is the base model]
 

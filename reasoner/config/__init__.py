@@ -73,7 +73,9 @@ class Config:
             "ahead are corrected by truncated importance weights")
     sources = ({m.source for m in self.data.mixture} if self.data.mixture is not None
                else {self.data.source})
-    if self.data.held_out_by == "template" and not sources & {"arithmetic", "instructions"}:
+    # the generators' split: what training draws and what their evaluation sets hold out
+    generated = (sources | {s.source for s in self.eval.sets}) & {"arithmetic", "instructions"}
+    if self.data.held_out_by == "template" and not generated:
       _fail("data.held_out_by", "template", "'record' unless a source is generated "
             "('arithmetic', 'instructions'; a file's records are held out by record)")
     for s in self.eval.sets:
