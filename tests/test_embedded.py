@@ -28,7 +28,7 @@ REF = json.loads((ROOT / "tests" / "gguf_reference_logits.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def ckpt():  # the process's one read of the file (about 12 s), shared with every embedded build
+def ckpt():  # the process's one open of the file, shared with every embedded build
   return load.embedded()[0]
 
 

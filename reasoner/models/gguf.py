@@ -7,9 +7,11 @@ Hugging Face transformers' GGUF loader to 1.6e-6 relative error in float32 logit
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import re
+import struct
 from typing import Callable
 
 import numpy as np
@@ -29,7 +31,7 @@ def embedded_gguf_path() -> pathlib.Path:
 
 def embedded_tokenizer() -> SentencePieceTokenizer:
   """The embedded GGUF's tokenizer. Its first read rebuilds it from the file's vocabulary
-  (opening the GGUF takes 13 s or more); the ModelProto is then kept beside the file, named by
+  (decoding its arrays takes 10 s or more); the ModelProto is then kept beside the file, named by
   the file's size and time, and later reads take a fraction of a second. A kept copy that will
   not load, or a folder that cannot be written, costs only the rebuild."""
   path = embedded_gguf_path()
@@ -50,17 +52,82 @@ def embedded_tokenizer() -> SentencePieceTokenizer:
   return tokenizer
 
 
+# GGUF's value types (the format's spec): the byte width of each fixed-size one; 8 is a
+# string (its uint64 length, then its bytes), 9 an array (item type, uint64 count, items)
+_WIDTH = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+
+
+def read_header(path: pathlib.Path) -> tuple[dict, dict[str, tuple[int, tuple, int]]]:
+  """(scalar fields, {tensor name: (GGML type, numpy byte shape, offset in the file)}) of a
+  GGUF file (v2 or v3), read from its header alone. Arrays (the 262,144-entry vocabulary) are
+  stepped over, not decoded: gguf.GGUFReader builds an object for each of their items, 10 s
+  for the embedded file where this takes a fraction of a second."""
+  from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+  buf = memoryview(np.memmap(path, np.uint8, "r"))
+  magic, version = struct.unpack_from("<4sI", buf, 0)
+  if magic != b"GGUF" or version not in (2, 3):
+    raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
+  n_tensors, n_fields = struct.unpack_from("<QQ", buf, 8)
+  at = 24
+
+  def string() -> str:
+    nonlocal at
+    (n,) = struct.unpack_from("<Q", buf, at)
+    at += 8 + n
+    return bytes(buf[at - n:at]).decode()
+
+  def skip(kind: int) -> None:
+    nonlocal at
+    if kind == 8:
+      at += 8 + struct.unpack_from("<Q", buf, at)[0]
+    elif kind == 9:
+      item, count = struct.unpack_from("<IQ", buf, at)
+      at += 12
+      if item in _WIDTH:
+        at += count * _WIDTH[item]
+      else:
+        for _ in range(count):
+          skip(item)
+    else:
+      at += _WIDTH[kind]
+
+  fields = {}
+  for _ in range(n_fields):
+    key = string()
+    (kind,) = struct.unpack_from("<I", buf, at)
+    at += 4
+    if kind == 8:
+      fields[key] = string()
+      continue
+    if kind in _SCALAR:
+      fields[key] = struct.unpack_from(_SCALAR[kind], buf, at)[0]
+    skip(kind)
+  infos = {}
+  for _ in range(n_tensors):
+    name = string()
+    (ndim,) = struct.unpack_from("<I", buf, at)
+    dims = struct.unpack_from(f"<{ndim}Q", buf, at + 4)
+    kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * ndim)
+    at += 4 + 8 * ndim + 12
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    infos[name] = (kind, (*dims[:0:-1], dims[0] // block * size), offset)  # rows, row bytes
+  align = fields.get("general.alignment", 32)
+  start = -(-at // align) * align
+  return fields, {n: (k, shape, start + off) for n, (k, shape, off) in infos.items()}
+
+
 class GGUFCheckpoint:
   """A GGUF Gemma 3 file: architecture fields, tokenizer and per-parameter readers."""
 
   def __init__(self, path: str | os.PathLike):
-    import gguf
-
     self.path = pathlib.Path(path)
     if not self.path.is_file():
       raise FileNotFoundError(f"GGUF file '{self.path}' does not exist")
-    self._reader = gguf.GGUFReader(str(self.path))
-    self._tensors = {t.name: t for t in self._reader.tensors}
+    self._fields, self._tensors = read_header(self.path)
+    self._bytes = np.memmap(self.path, np.uint8, "r")
     arch = self.field("general.architecture")
     if arch != "gemma3":
       raise ValueError(f"{self.path}: architecture {arch!r}; only gemma3 GGUF files are supported")
@@ -71,11 +138,12 @@ class GGUFCheckpoint:
     self.embed_dim = int(self.field("gemma3.embedding_length"))
 
   def field(self, key: str):
-    f = self._reader.fields[key]
-    return f.contents()
+    return self._fields[key]
 
   def tokenizer(self) -> SentencePieceTokenizer:
-    f = self._reader.fields
+    import gguf
+
+    f = gguf.GGUFReader(str(self.path)).fields  # every field, the vocabulary's arrays too
     tokens = f["tokenizer.ggml.tokens"].contents()
     scores = f["tokenizer.ggml.scores"].contents()
     types = f["tokenizer.ggml.token_type"].contents()
@@ -85,8 +153,10 @@ class GGUFCheckpoint:
     """Dequantised float32 array in GGUF's (out, in) order."""
     import gguf
 
-    t = self._tensors[name]
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    kind, shape, start = self._tensors[name]
+    data = self._bytes[start:start + math.prod(shape)].reshape(shape)
+    return np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)),
+                      dtype=np.float32)
 
   def reader(self) -> Callable[[str, tuple[int, ...]], np.ndarray]:
     """`read(tunix_path, shape)` for `reasoner.models.gemma.from_host`."""

@@ -65,9 +65,8 @@ def _kaggle(m: ModelConfig, mesh: jax.sharding.Mesh):
 
 @functools.cache
 def embedded() -> tuple[gguf.GGUFCheckpoint, object]:
-  """The embedded GGUF and its tokenizer, opened once a process: opening the file takes 13 s or
-  more, and a planner's search asked for the tokenizer once a plan (11 times for the gemma3_1b
-  preset's micro-batch search)."""
+  """The embedded GGUF and its tokenizer, opened once a process: a planner's search asked for
+  the tokenizer once a plan (11 times for the gemma3_1b preset's micro-batch search)."""
   return gguf.GGUFCheckpoint(gguf.embedded_gguf_path()), embedded_tokenizer()
 
 
