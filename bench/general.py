@@ -165,7 +165,7 @@ def main() -> None:
   if names[0] != "general" and not (root / "general" / "samples.jsonl").exists():
     raise SystemExit(f"GENERAL_RUNS: the general run comes first (its evaluation before "
                      f"training is every run's base); {root} holds none")
-  figures = {"runs": _earlier(root)}
+  figures = _earlier(root)
   for name in names:
     seconds = run(root, name)
     base, after = rows(root / "general", "before"), rows(root / name, "after")
@@ -187,7 +187,7 @@ def main() -> None:
     print(json.dumps({name: figures["runs"][name]}, indent=1), flush=True)
   figures["base"] = {s: {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n": len(rs)}
                      for s, rs in rows(root / "general", "before").items()}
-  if "general" in figures["runs"]:
+  if "general" in names:  # its rate measured beside the run, not beside a later subset's
     figures["floor"] = floor(root / "general", figures["runs"]["general"]["seconds"])
     print(json.dumps({"floor": figures["floor"]}, indent=1), flush=True)
   if "general" in figures["runs"] and "arithmetic" in figures["runs"]:
@@ -343,11 +343,14 @@ def _in_se(c: dict) -> float:
 
 
 def _earlier(root: pathlib.Path) -> dict:
-  """The runs of the last results file when they lie in `root` too (the same base): a subset
-  rerun adds to them rather than erasing them."""
+  """The runs (and the floor) of the last results file when they lie in `root` too (the same
+  base): a subset rerun adds to them rather than erasing them."""
   path = common.RESULTS / "general.json"
   old = json.loads(path.read_text()) if path.exists() else {}
-  return dict(old["figures"]["runs"]) if old.get("runs") == str(root) else {}
+  if old.get("runs") != str(root):
+    return {"runs": {}}
+  return {"runs": dict(old["figures"]["runs"]),
+          **{k: old["figures"][k] for k in ("floor",) if k in old["figures"]}}
 
 
 def _write(figures: dict, root: pathlib.Path) -> None:
