@@ -349,8 +349,10 @@ def _earlier(root: pathlib.Path) -> dict:
   old = json.loads(path.read_text()) if path.exists() else {}
   if old.get("runs") != str(root):
     return {"runs": {}}
-  return {"runs": dict(old["figures"]["runs"]),
-          **{k: old["figures"][k] for k in ("floor",) if k in old["figures"]}}
+  kept = {"runs": dict(old["figures"]["runs"])}
+  if "floor" in old["figures"]:
+    kept["floor"] = old["figures"]["floor"]
+  return kept
 
 
 def _write(figures: dict, root: pathlib.Path) -> None:

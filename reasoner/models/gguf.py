@@ -52,20 +52,14 @@ def embedded_tokenizer() -> SentencePieceTokenizer:
   return tokenizer
 
 
-# GGUF's value types (the format's spec): the byte width of each fixed-size one; 8 is a
-# string (its uint64 length, then its bytes), 9 an array (item type, uint64 count, items)
-_WIDTH = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-           11: "<q", 12: "<d"}
-
-
 def read_header(path: pathlib.Path) -> tuple[dict, dict[str, tuple[int, tuple, int]]]:
   """(scalar fields, {tensor name: (GGML type, numpy byte shape, offset in the file)}) of a
   GGUF file (v2 or v3), read from its header alone. Arrays (the 262,144-entry vocabulary) are
   stepped over, not decoded: gguf.GGUFReader builds an object for each of their items, 10 s
   for the embedded file where this takes a fraction of a second."""
-  from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+  from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+  scalar = {k: np.dtype(t).newbyteorder("<") for k, t in GGUFReader.gguf_scalar_to_np.items()}
   buf = memoryview(np.memmap(path, np.uint8, "r"))
   magic, version = struct.unpack_from("<4sI", buf, 0)
   if magic != b"GGUF" or version not in (2, 3):
@@ -79,31 +73,31 @@ def read_header(path: pathlib.Path) -> tuple[dict, dict[str, tuple[int, tuple, i
     at += 8 + n
     return bytes(buf[at - n:at]).decode()
 
-  def skip(kind: int) -> None:
+  def skip(kind: int) -> None:  # a value of that type, stepped over
     nonlocal at
-    if kind == 8:
+    if kind == GGUFValueType.STRING:
       at += 8 + struct.unpack_from("<Q", buf, at)[0]
-    elif kind == 9:
+    elif kind == GGUFValueType.ARRAY:
       item, count = struct.unpack_from("<IQ", buf, at)
       at += 12
-      if item in _WIDTH:
-        at += count * _WIDTH[item]
+      if item in scalar:
+        at += count * scalar[item].itemsize
       else:
         for _ in range(count):
           skip(item)
     else:
-      at += _WIDTH[kind]
+      at += scalar[kind].itemsize
 
   fields = {}
   for _ in range(n_fields):
     key = string()
     (kind,) = struct.unpack_from("<I", buf, at)
     at += 4
-    if kind == 8:
+    if kind == GGUFValueType.STRING:
       fields[key] = string()
       continue
-    if kind in _SCALAR:
-      fields[key] = struct.unpack_from(_SCALAR[kind], buf, at)[0]
+    if kind in scalar:
+      fields[key] = np.frombuffer(buf, scalar[kind], 1, at)[0].item()
     skip(kind)
   infos = {}
   for _ in range(n_tensors):
