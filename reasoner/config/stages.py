@@ -175,6 +175,9 @@ class SFTConfig:
   # to its longest prompt and response rounded up to `bucket` tokens (few shapes to compile).
   window: int = 32
   bucket: int = 16
+  # The prompt head that a category's prompts share (a few-shot header) runs once a batch, not
+  # once a row (`data.examples.Heads`): the same loss, float32 sums in another order.
+  shared_heads: bool = False
 
   def __post_init__(self):
     for f in ("max_response_tokens", "window", "bucket"):

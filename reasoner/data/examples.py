@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from reasoner.data import prompts as prompts_lib, sources
+from reasoner.models.prompt import common_prefix
 from reasoner.errors import DataError
 
 
@@ -62,7 +63,8 @@ class Batches:
   the k responses of each example in consecutive rows."""
 
   def __init__(self, examples: list, batch_size: int, seed: int, window: int, bucket: int,
-               pad_id: int, stage: str = "SFT", weights: np.ndarray | None = None):
+               pad_id: int, stage: str = "SFT", weights: np.ndarray | None = None,
+               heads: "Heads | None" = None):
     if len(examples) < batch_size:
       raise DataError(f"{stage.lower()}: {len(examples)} examples, fewer than "
                       f"train.batch_size = {batch_size}")
@@ -72,6 +74,7 @@ class Batches:
     # a mixture's: each example's chance of a draw (`sources.draw_weights`); None: each once
     self.p = None if weights is None else np.asarray(weights, np.float64) / np.sum(weights)
     self.position, self._cached = 0, (None, None)
+    self.heads = heads  # each batch's prompts split into shared heads and their rests
 
   def _size(self, i: int) -> tuple[int, int]:
     ex = self.examples[i]  # by prompt bucket, then the longest response
@@ -97,7 +100,10 @@ class Batches:
   def __next__(self) -> dict[str, np.ndarray]:
     e, i = divmod(self.position, self.per_epoch)
     self.position += 1
-    return self.pad([self.examples[j] for j in self.epoch(e)[i]])
+    rows = self.epoch(e)[i]
+    if self.heads is None:
+      return self.pad([self.examples[j] for j in rows])
+    return self.heads.pad([self.examples[j] for j in rows], rows, self.pad_id, self.bucket)
 
   def get_state(self) -> dict:
     return {"position": self.position}
@@ -123,23 +129,76 @@ class Batches:
 
 def for_run(setup, max_response: int, log=None, fields: tuple[str, ...] = ("response",),
             stage: str = "sft", limit_key: str = "sft.max_response_tokens", cls=None,
-            noun: str = "examples") -> "Batches":
+            noun: str = "examples", shared_heads: bool = False) -> "Batches":
   """A stage's batches of the run's training records (`cls`, default `Batches`): encoded,
   drawn by a mixture's shares (`sources.draw_weights`) where there is one, length-bucketed as
-  `sft.window` / `sft.bucket` say; the padding share logged."""
+  `sft.window` / `sft.bucket` say; the padding share logged. `shared_heads`: each category's
+  shared prompt head split off (`Heads.of_examples`), logged too."""
   cfg = setup.cfg
   kept: list[int] = []
   examples = encode(setup.train_records, cfg.data.template, setup.tokenizer,
                     cfg.data.max_prompt_tokens, max_response, cfg.data.overlong,
                     log or (lambda _: None), fields, stage, limit_key, kept)
-  weights = sources.draw_weights([setup.train_records[i] for i in kept], cfg.data.mixture)
+  records = [setup.train_records[i] for i in kept]
+  weights = sources.draw_weights(records, cfg.data.mixture)
+  heads = (Heads.of_examples(examples, [r.get("category") for r in records])
+           if shared_heads else None)
   out = (cls or Batches)(examples, cfg.train.batch_size, cfg.train.seed, cfg.sft.window,
                          cfg.sft.bucket, setup.tokenizer.pad_id,
-                         "SFT" if stage == "sft" else "preference", weights)
+                         "SFT" if stage == "sft" else "preference", weights, heads)
   if log:
     log(f"{stage}: {len(examples)} {noun}, {out.per_epoch} batches an epoch, "
         f"{out.padding():.1%} of their tokens padding")
+    if heads is not None:
+      log(f"{stage}: {heads.describe(examples)}")
   return out
+
+
+class Heads:
+  """The prompt heads that a category's prompts share (a few-shot header: its common prefix,
+  less the last token, which must run), each example's head (`of`; the empty head where its
+  category has none of at least `least` tokens), and the batches that hold each prompt as its
+  head and its rest (`pad`): the train step runs each head once (`models.prompt.Heads`)."""
+
+  def __init__(self, heads: list[list[int]], of: np.ndarray):
+    self.heads, self.of = heads, of
+
+  @classmethod
+  def of_examples(cls, examples: list, groups: list, least: int = 32) -> "Heads":
+    prompts: dict = {}
+    for ex, g in zip(examples, groups):
+      prompts.setdefault(g, []).append(ex[0])
+    found = {}
+    for g, ps in prompts.items():
+      n = min(common_prefix(ps), min(map(len, ps)) - 1) if len(ps) > 1 else 0
+      if n >= least:
+        found[g] = ps[0][:n]
+    heads = list(found.values())
+    index = {g: i for i, g in enumerate(found)}
+    if len(index) < len(prompts):
+      heads.append([])  # the prompts of a category without a head
+    return cls(heads, np.asarray([index.get(g, len(heads) - 1) for g in groups], np.int32))
+
+  def describe(self, examples: list) -> str:
+    """How many heads, their lengths and the share of the prompts' tokens they hold."""
+    held = sum(len(self.heads[k]) for k in self.of)
+    lengths = ", ".join(str(len(h)) for h in self.heads if h) or "none"
+    return (f"{sum(1 for h in self.heads if h)} shared prompt heads ({lengths} tokens), each "
+            f"run once a batch: {held / sum(len(ex[0]) for ex in examples):.0%} of the prompts' "
+            "tokens")
+
+  def pad(self, examples: list, rows, pad_id: int, bucket: int) -> dict[str, np.ndarray]:
+    """`pad` of the examples' rests after their heads, with `head_of` [B] and the heads
+    `head_tokens`, `head_valid` [K, H] (right-padded, H rounded up to `bucket`)."""
+    of = self.of[np.asarray(rows)]
+    rests = [(ex[0][len(self.heads[k]):], *ex[1:]) for ex, k in zip(examples, of)]
+    h = math.ceil(max(map(len, self.heads)) / bucket) * bucket
+    tokens = np.full((len(self.heads), h), pad_id, np.int32)
+    valid = np.zeros((len(self.heads), h), bool)
+    for k, head in enumerate(self.heads):
+      tokens[k, :len(head)], valid[k, :len(head)] = head, True
+    return {**pad(rests, pad_id, bucket), "head_of": of, "head_tokens": tokens,
+            "head_valid": valid}
 
 
 def widths(examples: list, bucket: int) -> tuple[int, int]:

@@ -141,11 +141,14 @@ class Trainer:
 
     return self._in_micro_batches(fwd, (lora, base), tuple(batch), ())[1]
 
-  def loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, head):
+  def loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, head,
+                 prompt_heads=None):
     """((loss, LoRA gradients), aux) of `head(hidden, model) -> (loss, aux)`, a head's loss of
-    the hidden states of `tokens` after their prompts (`models.prompt.completion_hidden`)."""
+    the hidden states of `tokens` after their prompts (`models.prompt.completion_hidden`;
+    `prompt_heads`: the prompts' shared heads)."""
     def loss_fn(model):
-      return head(completion_hidden(model, prompt, prompt_valid, tokens, mask, self.mesh), model)
+      return head(completion_hidden(model, prompt, prompt_valid, tokens, mask, self.mesh,
+                                     prompt_heads), model)
 
     # nnx.value_and_grad, not jax's: the layers run under nnx.remat (`models.layer`), which
     # cannot update a module merged inside a plain jax transform (TraceContextError).
@@ -155,7 +158,7 @@ class Trainer:
     return (loss, grads), aux
 
   def token_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
-                       token_fn, token_args, soft=None):
+                       token_fn, token_args, soft=None, prompt_heads=None):
     """((loss, LoRA gradients), (log-probs, entropy)) of the weighted per-token loss
     `token_fn` of `tokens` after their prompts, through the fused head: GRPO's objective and
     SFT's likelihood (and `soft` targets' cross-entropy: distillation's teacher top-k)."""
@@ -166,7 +169,7 @@ class Trainer:
           temperature=self.temperature, soft=soft)
       return loss, (logp, entropy)
 
-    return self.loss_grads(base, lora, prompt, prompt_valid, tokens, mask, head)
+    return self.loss_grads(base, lora, prompt, prompt_valid, tokens, mask, head, prompt_heads)
 
   def sequence_loss_grads(self, base, lora, prompt, prompt_valid, tokens, mask, weights,
                           seq_fn, seq_args):

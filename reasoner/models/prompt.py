@@ -10,6 +10,7 @@ rows' prompt on itself. The cache these fill is `models.cache`; Gemma 3's shared
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,8 +116,43 @@ def _head_cache(model, prompt: jax.Array, prompt_mask: jax.Array, head: int, at:
                  "end_index": jnp.full((b,), at, jnp.int32)} for name, c in once.items()}
 
 
+class Heads(NamedTuple):
+  """Prompt heads that rows share (a few-shot header), each run through the model once:
+  `tokens`, `valid` [K, H] right-padded, and each prompt's head `of` [B] (an empty head, no
+  valid token, for a prompt without one). The prompt arrays then hold each prompt's own rest,
+  left-padded: prompt b is its head's valid tokens, then its rest."""
+  tokens: jax.Array
+  valid: jax.Array
+  of: jax.Array
+
+
+def joined(heads: Heads, prompt: jax.Array, prompt_valid: jax.Array, packed: bool = False):
+  """The whole prompts [B, H + P] of `heads` and their rests: the head's padding inside, or
+  (`packed`) left-padded, as a prompt without heads lies."""
+  tokens = jnp.concatenate([heads.tokens[heads.of], prompt], axis=1)
+  valid = jnp.concatenate([heads.valid[heads.of], prompt_valid], axis=1)
+  if not packed:
+    return tokens, valid
+  order = jnp.argsort(valid, axis=1, stable=True)  # the padding first, the tokens in order
+  return jnp.take_along_axis(tokens, order, 1), jnp.take_along_axis(valid, order, 1)
+
+
+def _heads_cache(model, heads: Heads, size: int) -> dict:
+  """Each row's cache with its head's keys and values in slots [0, H) (computed once a head,
+  zeros past its length), room to `size`, the end index at H."""
+  tcfg, dtype = model.config, model.embedding().dtype
+  k, h = heads.tokens.shape
+  _, once = model.hidden_states(heads.tokens, positions_from_mask(heads.valid),
+                                init_cache(tcfg, k, h, dtype), causal_mask(heads.valid))
+  keep = heads.valid[heads.of][..., None, None]
+  put = lambda x: jnp.pad(jnp.where(keep, x[heads.of], 0).astype(dtype),
+                          ((0, 0), (0, size - h), (0, 0), (0, 0)))
+  return {name: {"k": put(c["k"]), "v": put(c["v"]),
+                 "end_index": jnp.full(heads.of.shape, h, jnp.int32)} for name, c in once.items()}
+
+
 def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
-                      mesh=None) -> jax.Array:
+                      mesh=None, heads: Heads | None = None) -> jax.Array:
   """Final hidden states that predict each completion token, [B * G, N, D].
 
   Each prompt goes through the model once (once per chip its group spans, `prompt_copies`) and
@@ -124,12 +160,19 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
   so the prompt costs B (B * copies), not B * G, rows. Sliding-window layers get their own
   mask. Only a prompt as long as the window takes one full forward per row: Tunix's prefill
   band counts the window from the query's index in the call, then too narrow for the prompt.
+  `heads`: the prompts are their heads' tokens, each head run once (`_heads_cache`), then each
+  row's rest against it; where the whole would not fit a sliding window, the whole prompts
+  left-padded, as without heads (the band counts from a query's index in the call).
   """
   b, p = prompt.shape
   rows, n = completion.shape
   g = rows // b
-  size = p + n
   window = getattr(model.config, "sliding_window_size", None)
+  if heads is not None and window is not None and heads.tokens.shape[1] + p + n > window:
+    (prompt, prompt_valid), heads = joined(heads, prompt, prompt_valid, packed=True), None
+    p = prompt.shape[1]
+  at = 0 if heads is None else heads.tokens.shape[1]  # the first slot the rows run
+  size = at + p + n
   if window is not None and p >= window:
     tokens = jnp.concatenate([jnp.repeat(prompt, g, 0), completion], axis=1)
     valid = jnp.concatenate([jnp.repeat(prompt_valid, g, 0), completion_mask], axis=1)
@@ -138,15 +181,20 @@ def completion_hidden(model, prompt, prompt_valid, completion, completion_mask,
     return hidden[:, -n:]
   c = prompt_copies(mesh, b, g)
   prompt, prompt_valid = jnp.repeat(prompt, c, 0), jnp.repeat(prompt_valid, c, 0)
-  cache = init_cache(model.config, b * c, size, model.embedding().dtype)
-  h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid), cache,
-                                        causal_mask(prompt_valid, size), mesh)
+  if heads is None:
+    cache = init_cache(model.config, b * c, size, model.embedding().dtype)
+  else:
+    heads = heads._replace(of=jnp.repeat(heads.of, c))
+    cache = _heads_cache(model, heads, size)
+    prompt_valid = joined(heads, prompt, prompt_valid)[1]  # [B * c, at + p]
+  h_prompt, cache = model.hidden_states(prompt, positions_from_mask(prompt_valid)[:, at:], cache,
+                                        causal_mask(prompt_valid, size)[:, at:], mesh)
   rep = lambda x: jnp.repeat(x, g // c, axis=0)
   hidden = rep(h_prompt[:, -1:])  # the last prompt position predicts the first token
   if n > 1:
     cache = jax.tree.map(rep, cache)
     kv_valid = jnp.concatenate([rep(prompt_valid), completion_mask], axis=1)  # [R, size]
-    q_slot = p + jnp.arange(n - 1)  # cache slots of the completion inputs
+    q_slot = at + p + jnp.arange(n - 1)  # cache slots of the completion inputs
     ahead = q_slot[:, None] - jnp.arange(size)[None, :]  # query slot - key slot
     mask = (ahead >= 0)[None] & kv_valid[:, None, :]
     local = mask & (ahead < window)[None] if window is not None and size > window else None
