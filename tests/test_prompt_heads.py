@@ -86,11 +86,11 @@ def test_a_wrong_head_changes_the_values(setup):
   np.testing.assert_allclose(np.asarray(right[6:]), np.asarray(wrong[6:]), rtol=1e-5, atol=1e-5)
 
 
-def _examples(rng, n=8, head=40, question=(3, 21), response=(2, 10)):
+def _examples(rng, n=8, head=40, question=(3, 21), response=(2, 10), groups="abacbabc"):
   """Examples of two categories, each with its own `head`-token header, and one of a third
   whose prompts share nothing; questions and responses of lengths in those ranges."""
   header = {c: list(rng.integers(3, 200, head)) for c in ("a", "b")}
-  groups = ["a", "b", "a", "c", "b", "a", "b", "c"][:n]
+  groups = list(groups[:n])
   examples = []
   for g in groups:
     ids = (*header.get(g, []), *rng.integers(3, 200, rng.integers(*question)))
@@ -128,14 +128,16 @@ def test_sft_step_with_shared_heads_is_the_whole_prompts_step(setup, micro, shor
   """sft.shared_heads: the SFT loss and LoRA gradients of batches split into heads and rests
   (`data.examples.Heads`), in one pass and over micro-batches, equal the whole prompts'; short
   rows run their heads once (heads, rests and responses within the tiny model's window of
-  16), long ones are joined back into whole prompts."""
+  16; both categories with a head), long ones (a prompt without a head among them) are joined
+  back into whole prompts."""
   import dataclasses
 
   from reasoner import mesh as mesh_lib
   from reasoner.objectives import sft
 
   rng = np.random.default_rng(3)
-  examples, groups = (_examples(rng, 4, 5, (1, 4), (2, 5)) if short else _examples(rng, 4))
+  examples, groups = (_examples(rng, 4, 5, (1, 4), (2, 5), "abab") if short
+                      else _examples(rng, 4))
   heads = examples_lib.Heads.of_examples(examples, groups, least=4 if short else 32)
   bucket = 4 if short else 16
   assert heads.heads[0]

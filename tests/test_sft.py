@@ -55,7 +55,7 @@ def test_loss_and_gradients_match_a_dense_reference(setup):
   trainer = sft.SFTTrainer.for_run(setup.graphdef, setup.base, setup.cfg)
   m = batch.response_mask.astype(jnp.float32)
   (loss, grads), _ = jax.jit(trainer._sft_grads)(setup.base, lora, batch, m / m.sum())
-  ref_fn = _dense_loss(setup.graphdef, setup.base, *batch)
+  ref_fn = _dense_loss(setup.graphdef, setup.base, *batch[:4])
   grad_fn = nnx.value_and_grad(ref_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))
   ref, ref_grads = grad_fn(nnx.merge(setup.graphdef, lora, setup.base))
   assert float(loss) == pytest.approx(float(ref), rel=1e-5)
