@@ -104,15 +104,15 @@ def test_heads_found_by_category():
   short (under `least`) or alone is no head, and its prompts take the empty head."""
   rng = np.random.default_rng(0)
   examples, groups = _examples(rng)
-  heads = examples_lib.Heads.of_examples(examples, groups)
+  heads = examples_lib.Heads.of_examples(examples, groups, 0, 16)
   lengths = sorted(len(h) for h in heads.heads)
   assert lengths[0] == 0 and all(n >= 40 for n in lengths[1:]) and len(lengths) == 3
   for ex, g, k in zip(examples, groups, heads.of):
     head = heads.heads[k]
     assert ex[0][:len(head)] == head and len(head) < len(ex[0])
     assert (len(head) == 0) == (g == "c")
-  assert examples_lib.Heads.of_examples(examples, groups, least=64).heads == [[]]
-  batch = heads.pad(examples[:4], [0, 1, 2, 3], 0, 16)
+  assert examples_lib.Heads.of_examples(examples, groups, 0, 16, least=64).heads == [[]]
+  batch = heads.pad(examples[:4], [0, 1, 2, 3])
   assert batch["head_tokens"].shape == (3, 48) and batch["head_of"].tolist() == list(
       heads.of[:4])
   for b, (ex, k) in enumerate(zip(examples[:4], heads.of[:4])):
@@ -138,8 +138,8 @@ def test_sft_step_with_shared_heads_is_the_whole_prompts_step(setup, micro, shor
   rng = np.random.default_rng(3)
   examples, groups = (_examples(rng, 4, 5, (1, 4), (2, 5), "abab") if short
                       else _examples(rng, 4))
-  heads = examples_lib.Heads.of_examples(examples, groups, least=4 if short else 32)
   bucket = 4 if short else 16
+  heads = examples_lib.Heads.of_examples(examples, groups, 0, bucket, least=4 if short else 32)
   assert heads.heads[0]
   # LoRA a little away from zero: at +0.05 on every weight, 60-token rows' gradients already
   # differed by 1% between Tunix's attention and ours, and between one row and a batch
@@ -148,7 +148,7 @@ def test_sft_step_with_shared_heads_is_the_whole_prompts_step(setup, micro, shor
                                                                  micro_batch=micro))
   trainer = sft.SFTTrainer.for_run(setup.graphdef, setup.base, cfg)
   out = []
-  for host in (examples_lib.pad(examples, 0, bucket), heads.pad(examples, range(4), 0, bucket)):
+  for host in (examples_lib.pad(examples, 0, bucket), heads.pad(examples, range(4))):
     table = {k: host.pop(k) for k in ("head_tokens", "head_valid") if k in host}
     batch = sft.SFTBatch(**{k: mesh_lib.put_batch(setup.mesh, v) for k, v in host.items()},
                          **mesh_lib.replicate_unplaced(table, setup.mesh))

@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from reasoner.data import prompts as prompts_lib, sources
-from reasoner.models.prompt import common_prefix
 from reasoner.errors import DataError
+from reasoner.models.prompt import common_prefix
 
 
 def stop_id(template: str, tokenizer) -> int:
@@ -103,7 +103,7 @@ class Batches:
     rows = self.epoch(e)[i]
     if self.heads is None:
       return self.pad([self.examples[j] for j in rows])
-    return self.heads.pad([self.examples[j] for j in rows], rows, self.pad_id, self.bucket)
+    return self.heads.pad([self.examples[j] for j in rows], rows)
 
   def get_state(self) -> dict:
     return {"position": self.position}
@@ -141,8 +141,8 @@ def for_run(setup, max_response: int, log=None, fields: tuple[str, ...] = ("resp
                     log or (lambda _: None), fields, stage, limit_key, kept)
   records = [setup.train_records[i] for i in kept]
   weights = sources.draw_weights(records, cfg.data.mixture)
-  heads = (Heads.of_examples(examples, [r.get("category") for r in records])
-           if shared_heads else None)
+  heads = (Heads.of_examples(examples, [r.get("category") for r in records],
+                             setup.tokenizer.pad_id, cfg.sft.bucket) if shared_heads else None)
   out = (cls or Batches)(examples, cfg.train.batch_size, cfg.train.seed, cfg.sft.window,
                          cfg.sft.bucket, setup.tokenizer.pad_id,
                          "SFT" if stage == "sft" else "preference", weights, heads)
@@ -158,13 +158,21 @@ class Heads:
   """The prompt heads that a category's prompts share (a few-shot header: its common prefix,
   less the last token, which must run), each example's head (`of`; the empty head where its
   category has none of at least `least` tokens), and the batches that hold each prompt as its
-  head and its rest (`pad`): the train step runs each head once (`models.prompt.Heads`)."""
+  head and its rest (`pad`): the train step runs each head once (`models.prompt.Heads`). The
+  heads' arrays `tokens`, `valid` [K, H] (right-padded, H rounded up to `bucket`) are every
+  batch's, made once."""
 
-  def __init__(self, heads: list[list[int]], of: np.ndarray):
-    self.heads, self.of = heads, of
+  def __init__(self, heads: list[list[int]], of: np.ndarray, pad_id: int, bucket: int):
+    self.heads, self.of, self.pad_id, self.bucket = heads, of, pad_id, bucket
+    h = math.ceil(max(map(len, heads)) / bucket) * bucket
+    self.tokens = np.full((len(heads), h), pad_id, np.int32)
+    self.valid = np.zeros((len(heads), h), bool)
+    for k, head in enumerate(heads):
+      self.tokens[k, :len(head)], self.valid[k, :len(head)] = head, True
 
   @classmethod
-  def of_examples(cls, examples: list, groups: list, least: int = 32) -> "Heads":
+  def of_examples(cls, examples: list, groups: list, pad_id: int, bucket: int,
+                  least: int = 32) -> "Heads":
     prompts: dict = {}
     for ex, g in zip(examples, groups):
       prompts.setdefault(g, []).append(ex[0])
@@ -177,7 +185,8 @@ class Heads:
     index = {g: i for i, g in enumerate(found)}
     if len(index) < len(prompts):
       heads.append([])  # the prompts of a category without a head
-    return cls(heads, np.asarray([index.get(g, len(heads) - 1) for g in groups], np.int32))
+    of = np.asarray([index.get(g, len(heads) - 1) for g in groups], np.int32)
+    return cls(heads, of, pad_id, bucket)
 
   def describe(self, examples: list) -> str:
     """How many heads, their lengths and the share of the prompts' tokens they hold."""
@@ -187,18 +196,13 @@ class Heads:
             f"run once a batch: {held / sum(len(ex[0]) for ex in examples):.0%} of the prompts' "
             "tokens")
 
-  def pad(self, examples: list, rows, pad_id: int, bucket: int) -> dict[str, np.ndarray]:
-    """`pad` of the examples' rests after their heads, with `head_of` [B] and the heads
-    `head_tokens`, `head_valid` [K, H] (right-padded, H rounded up to `bucket`)."""
+  def pad(self, examples: list, rows) -> dict[str, np.ndarray]:
+    """`pad` of the examples (those at `rows`) as their rests after their heads, with
+    `head_of` [B] and the heads `head_tokens`, `head_valid` [K, H]."""
     of = self.of[np.asarray(rows)]
     rests = [(ex[0][len(self.heads[k]):], *ex[1:]) for ex, k in zip(examples, of)]
-    h = math.ceil(max(map(len, self.heads)) / bucket) * bucket
-    tokens = np.full((len(self.heads), h), pad_id, np.int32)
-    valid = np.zeros((len(self.heads), h), bool)
-    for k, head in enumerate(self.heads):
-      tokens[k, :len(head)], valid[k, :len(head)] = head, True
-    return {**pad(rests, pad_id, bucket), "head_of": of, "head_tokens": tokens,
-            "head_valid": valid}
+    return {**pad(rests, self.pad_id, self.bucket), "head_of": of, "head_tokens": self.tokens,
+            "head_valid": self.valid}
 
 
 def widths(examples: list, bucket: int) -> tuple[int, int]:
