@@ -3,7 +3,11 @@
 import atexit
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import traceback
 
 
 # The suite's time is XLA:CPU compiling tiny programs (a GRPO step compiles in seconds and runs
@@ -47,8 +51,10 @@ if _INHERITED:
   os.environ.update(_HIDDEN)
 else:
   _CACHE = tempfile.mkdtemp(prefix="reasoner-test-xla-cache-")
-  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-  os.environ["REASONER_TEST_XLA_CACHE"] = _CACHE
+  _HANGS = tempfile.mkdtemp(prefix="reasoner-test-hangs-")
+  for folder in (_CACHE, _HANGS):
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+  os.environ["REASONER_TEST_XLA_CACHE"], os.environ["REASONER_TEST_HANGS"] = _CACHE, _HANGS
   for key, value in zip(_CACHE_KEYS, (_CACHE, "0", "-1", str(8 << 30))):
     os.environ.setdefault(key, value)
 jax.config.update("jax_compilation_cache_dir", os.environ["REASONER_TEST_XLA_CACHE"])
@@ -135,3 +141,81 @@ def hidden_states(model, *args, **kwargs):
 
 
 _JITTED_HIDDEN = None
+
+
+# A test that hangs ends the run with its threads' stacks, not at CI's limit. CI timed out at
+# 506ae09 (docs/LOG.md, 2026-12-07): one pytest-xdist worker died 98% in, and a worker that
+# dies says nothing of where it was (its stderr does not reach the run's output). Past
+# HANG_S a test's watchdog writes every thread's stack and its processes' command lines into
+# the first process's folder, kills those processes and ends the worker; pytest-xdist (no
+# worker restarts: pyproject.toml) then stops, and the summary prints what was written.
+HANG_S = float(os.environ.get("REASONER_TEST_HANG_S", 1200))
+_RUNNER = ("/_pytest/", "/pluggy/", "/xdist/", "/execnet/")  # frames left out of the stacks
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  done = threading.Event()
+  threading.Thread(target=_watch, args=(item.nodeid, done), daemon=True,
+                   name="hang-watchdog").start()
+  try:
+    yield
+  finally:
+    done.set()
+
+
+def _watch(nodeid: str, done: threading.Event) -> None:
+  if done.wait(HANG_S):
+    return
+  frames, lines = sys._current_frames(), [f"{nodeid} ran past {HANG_S:g} s (pid {os.getpid()})"]
+  for thread in threading.enumerate():
+    if thread.ident in frames and thread.name != "hang-watchdog":
+      stack = [f for f in traceback.extract_stack(frames[thread.ident])
+               if not any(part in f.filename for part in _RUNNER)]
+      lines += [f"--- thread {thread.name}:", *traceback.format_list(stack)]
+  below = _descendants(os.getpid())
+  for pid, command in below:
+    lines.append(f"--- process {pid} below it: {command}")
+  text = "\n".join(lines) + "\n"
+  with open(os.path.join(os.environ["REASONER_TEST_HANGS"], f"{os.getpid()}.txt"), "w") as f:
+    f.write(text)
+  sys.__stderr__.write(text)  # without pytest-xdist, this process's own output
+  sys.__stderr__.flush()
+  for pid, _ in below:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except OSError:
+      pass
+  os._exit(3)
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+  """(pid, command line) of every process below `root`."""
+  parents = {}
+  for name in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+      continue
+  found, todo = [], [root]
+  while todo:
+    parent = todo.pop()
+    for pid in [p for p, pp in parents.items() if pp == parent]:
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+      except OSError:
+        command = "?"
+      found.append((pid, command[:300]))
+      todo.append(pid)
+  return found
+
+
+def pytest_terminal_summary(terminalreporter):
+  """The stacks of the tests that hung (above), in the run's output."""
+  folder = os.environ.get("REASONER_TEST_HANGS")
+  for name in sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else ():
+    terminalreporter.write_sep("=", f"a test hung: {name}")
+    with open(os.path.join(folder, name)) as f:
+      terminalreporter.write(f.read())
