@@ -164,6 +164,11 @@ def main() -> None:
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     raise SystemExit(f"GENERAL_RUNS: no run {', '.join(unknown)} (runs: {', '.join(RUNS)})")
+  again = [n for n in names if (root / n).exists()]
+  if again:  # found when a rerun of `general` timed its resume (2026-12-07, stop 81)
+    raise SystemExit(f"GENERAL_RUNS: {', '.join(again)} already in {root}: run there again, it "
+                     "would resume from its last checkpoint (its figures the old run's, its time "
+                     "a resume's); move those folders away or name another GENERAL_DIR")
   if names[0] != "general" and not (root / "general" / "samples.jsonl").exists():
     raise SystemExit(f"GENERAL_RUNS: the general run comes first (its evaluation before "
                      f"training is every run's base); {root} holds none")
@@ -205,8 +210,8 @@ def main() -> None:
   against = {"general": ("seed1", "sft_grpo", "grpo"),
              "grpo": ("sft_grpo", "grpo_arithmetic", *GRPO_RUNS)}
   for ref, others in against.items():
-    if (root / ref / "samples.jsonl").exists():  # run now or before in GENERAL_DIR
-      ref_rows = rows(root / ref, "after")
+    ref_rows = rows(root / ref, "after") if (root / ref / "samples.jsonl").exists() else {}
+    if any(ref_rows.values()):  # run now or before in GENERAL_DIR, and evaluated after training
       for name in (n for n in others if n in figures["runs"]):
         after = rows(root / name, "after")
         figures[f"{name}_vs_{ref}"] = {s: paired_change(ref_rows[s], after[s]) for s in SETS}

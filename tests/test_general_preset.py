@@ -57,3 +57,19 @@ def test_it_trains_on_all_three_and_on_nothing_it_is_evaluated_on(tmp_path):
                for r in sources.load_eval_set(s, cfg.data, log=lambda *_: None)}
   assert len(evaluated) >= 700  # 128 + 128 + 256 + 256, a few alike across sets
   assert not evaluated & {r["question"] for r in train}
+
+
+def test_the_bench_refuses_to_run_again_where_a_run_is(tmp_path, monkeypatch):
+  """A run's folder already in GENERAL_DIR: a run there again would resume from its last
+  checkpoint and time the resume; the bench says so in one line and runs nothing."""
+  import pytest
+
+  (tmp_path / "general" / "checkpoints" / "64").mkdir(parents=True)
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+  monkeypatch.setenv("GENERAL_DIR", str(tmp_path))
+  monkeypatch.setenv("GENERAL_RUNS", "general,seed1")
+  monkeypatch.setattr(bench_general, "run", lambda *a: pytest.fail("a run started"))
+  with pytest.raises(SystemExit, match=rf"GENERAL_RUNS: general already in {tmp_path}: run "
+                     "there again, it would resume from its last checkpoint"):
+    bench_general.main()
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
