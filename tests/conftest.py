@@ -189,26 +189,35 @@ def _watch(nodeid: str, done: threading.Event) -> None:
   os._exit(3)
 
 
-def _descendants(root: int) -> list[tuple[int, str]]:
-  """(pid, command line) of every process below `root`."""
-  parents = {}
+def processes() -> dict[int, tuple[int, int, str]]:
+  """Every live process's (parent pid, uid, state letter), read from /proc (one that ends
+  while it is read is left out)."""
+  table = {}
   for name in filter(str.isdigit, os.listdir("/proc")):
     try:
       with open(f"/proc/{name}/stat") as f:
-        parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+        state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+      table[int(name)] = (int(ppid), os.stat(f"/proc/{name}").st_uid, state)
+    except (OSError, ValueError):
       continue
-  found, todo = [], [root]
+  return table
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+  """(pid, command line) of every process below `root`."""
+  children: dict[int, list[int]] = {}
+  for pid, (ppid, _, _) in processes().items():
+    children.setdefault(ppid, []).append(pid)
+  found, todo = [], list(children.get(root, ()))
   while todo:
-    parent = todo.pop()
-    for pid in [p for p, pp in parents.items() if pp == parent]:
-      try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-          command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-      except OSError:
-        command = "?"
-      found.append((pid, command[:300]))
-      todo.append(pid)
+    pid = todo.pop()
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+      command = "?"
+    found.append((pid, command[:300]))
+    todo += children.get(pid, ())
   return found
 
 

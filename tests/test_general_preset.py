@@ -10,6 +10,8 @@ import dataclasses
 import json
 import re
 
+import pytest
+
 from bench import general as bench_general
 from conftest import ROOT
 from reasoner.config import load_config
@@ -62,8 +64,6 @@ def test_it_trains_on_all_three_and_on_nothing_it_is_evaluated_on(tmp_path):
 def test_the_bench_refuses_to_run_again_where_a_run_is(tmp_path, monkeypatch):
   """A run's folder already in GENERAL_DIR: a run there again would resume from its last
   checkpoint and time the resume; the bench says so in one line and runs nothing."""
-  import pytest
-
   (tmp_path / "general" / "checkpoints" / "64").mkdir(parents=True)
   before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
   monkeypatch.setenv("GENERAL_DIR", str(tmp_path))

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from conftest import processes
 from reasoner.errors import DataError, RewardError
 from reasoner.rewards import sandbox
 from reasoner.rewards.sandbox import Limits, extract_code, validate_tests
@@ -34,14 +35,7 @@ def fence(code: str) -> str:
 def leftovers(spare: tuple[int, ...] = (), uids=sandbox.UIDS) -> list[str]:
   """Live processes of a sandbox uid of `uids` (those this test's runs had: another pytest
   worker's runs hold others), or below this process but `spare` (zombies are not counted)."""
-  procs = {}
-  for name in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{name}/stat") as f:
-        state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-      procs[int(name)] = (int(ppid), os.stat(f"/proc/{name}").st_uid, state)
-    except (OSError, ValueError):
-      continue
+  procs = processes()
   def below_me(pid):
     while pid in procs and pid > 1:
       pid = procs[pid][0]
